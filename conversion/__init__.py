@@ -1,0 +1,1 @@
+"""Declarative HF <-> Megatron mappings, one small file per model family."""

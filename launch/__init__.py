@@ -1,0 +1,1 @@
+"""In-container entry points that srun (or a user on a single node) calls."""

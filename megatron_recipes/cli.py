@@ -1,0 +1,46 @@
+"""`megatron-recipes` command line: a thin dispatcher; each subcommand's module parses its own arguments.
+
+Errors the user can fix (``RecipeError``) are printed as one message without a traceback, exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from megatron_recipes.config.errors import RecipeError
+
+# subcommand -> "module:function"; each function takes argv (after the subcommand) and returns an exit code
+SUBCOMMANDS = {
+    "train": ("megatron_recipes.training.cli:main", "train a recipe (torchrun, or self-spawned CPU ranks)"),
+    "plan": ("megatron_recipes.topology.cli:main", "validate a recipe, print its layout, groups and memory"),
+    "convert": ("megatron_recipes.convert.cli:main", "HF <-> Megatron checkpoints: import, export, verify"),
+    "data": ("megatron_recipes.data.cli:main", "preprocess corpora, build index caches"),
+    "slurm": ("megatron_recipes.launch.cli:main", "render or submit sbatch scripts"),
+}
+
+USAGE = "usage: megatron-recipes <subcommand> <recipe> [key=value ...] [--flags]\n\nsubcommands:\n" + "\n".join(
+    f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"error: unknown subcommand '{name}'\n  fix: use one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+        return 2
+    module_name, func_name = SUBCOMMANDS[name][0].split(":")
+    try:
+        func = getattr(importlib.import_module(module_name), func_name)
+        return int(func(rest) or 0)
+    except RecipeError as exc:
+        print(f"error: {exc.render()}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

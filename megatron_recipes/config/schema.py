@@ -1,0 +1,237 @@
+"""Typed recipe schema: every key a recipe may set, with its type.
+
+These dataclasses are registered with Hydra's ConfigStore, so a recipe YAML that sets an unknown key or
+a value of the wrong type fails at composition time. Required fields use ``MISSING`` (no ``None``
+default); ``Optional`` fields mean "not used" when ``None``. Nothing below ``config/`` reads OmegaConf:
+everything takes a ``RunConfig`` instance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class RopeScalingConfig:
+    """RoPE frequency scaling as in HF ``rope_scaling``: ``llama3`` (Llama 3.1) or ``yarn`` (DeepSeek-V3)."""
+
+    rope_type: str = "llama3"  # llama3 | yarn
+    factor: float = 8.0
+    original_max_position_embeddings: int = 8192
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float = 1.0  # yarn
+    mscale_all_dim: float = 0.0  # yarn
+
+
+@dataclass
+class ModelConfig:
+    """Architecture only, as published. Counts use a ``num_`` prefix like megatron-core."""
+
+    name: str = MISSING
+    family: str = MISSING  # llama | mistral | qwen2 | qwen3 | mixtral | qwen3_moe | deepseek_v3
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    num_attention_heads: int = MISSING
+    num_query_groups: int = MISSING  # == num_attention_heads for plain multi-head attention
+    ffn_hidden_size: int = MISSING
+    vocab_size: int = MISSING
+    max_position_embeddings: int = MISSING
+    kv_channels: Optional[int] = None  # head dim; None -> hidden_size // num_attention_heads
+    normalization: str = "RMSNorm"  # RMSNorm | LayerNorm
+    norm_epsilon: float = 1e-5
+    activation: str = "swiglu"  # swiglu | gelu | squared_relu
+    position_embedding_type: str = "rope"  # rope | learned_absolute | none
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    rope_scaling: Optional[RopeScalingConfig] = None
+    tie_embeddings: bool = False
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128
+    # Mixture of experts (num_moe_experts None -> dense model)
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_first_dense_layers: int = 0  # DeepSeek-V3 keeps its first layers dense
+    moe_router_score_function: str = "softmax"  # softmax | sigmoid
+    moe_router_pre_softmax: bool = False
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | none
+    moe_aux_loss_coeff: float = 0.0
+    # Multi-latent attention (DeepSeek)
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_head_dim: Optional[int] = None
+    qk_pos_emb_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    mtp_num_layers: Optional[int] = None
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees. DP is derived: world / (tp * pp * cp)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    cp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None  # expert tensor parallel; None -> same as tp (megatron-core default)
+    sp: bool = False
+    cp_comm_type: str = "p2p"  # p2p | all_gather | a2a | a2a+p2p
+    moe_dispatcher: str = "alltoall"  # allgather | alltoall | flex
+    moe_flex_backend: str = "deepep"  # deepep | hybridep (only with moe_dispatcher=flex)
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    allow_inter_node_tp: bool = False  # TP/EP groups spanning nodes are an error unless set
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+
+
+@dataclass
+class ClusterConfig:
+    """Hardware and the scheduler/container settings that launch needs."""
+
+    name: str = MISSING
+    nodes: int = 1
+    gpus_per_node: int = MISSING  # ranks per node (CPU processes on the CPU lane)
+    nvlink_domain: int = MISSING  # GPUs reachable over NVLink; == gpus_per_node on HGX, 72 on NVL72
+    gpu_memory_gb: float = MISSING
+    gpu_arch: str = MISSING  # cpu | ampere | hopper | blackwell
+    peak_bf16_tflops: float = 0.0  # dense, per GPU; 0 on CPU (MFU reported as n/a)
+    intra_node_bw_gbps: float = 0.0  # GB/s per GPU, NVLink
+    inter_node_bw_gbps: float = 0.0  # GB/s per GPU, network
+    # Scheduler / container (used by `megatron-recipes slurm`)
+    account: Optional[str] = None
+    partition: Optional[str] = None
+    require_account: bool = False
+    time_limit: str = "04:00:00"
+    cpus_per_task: Optional[int] = None
+    exclusive: bool = True
+    container_image: Optional[str] = None
+    container_mounts: List[str] = field(default_factory=list)
+    container_workdir: Optional[str] = None
+    launcher: str = "torchrun"  # torchrun (one task per node) | pmix (one task per GPU)
+    sbatch_extra: List[str] = field(default_factory=list)
+    srun_extra: List[str] = field(default_factory=list)
+    env: Dict[str, str] = field(default_factory=dict)
+    preempt_signal: str = "USR1"
+    preempt_signal_lead_s: int = 300
+    max_restarts: int = 3
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = MISSING
+    params_dtype: str = "bf16"  # fp32 | bf16 | fp16
+    fp8: Optional[str] = None  # None | e4m3 | hybrid
+    fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise | mxfp8
+    fp8_param_gather: bool = False
+    fp4: Optional[str] = None  # None | nvfp4
+    grad_reduce_in_fp32: bool = True
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from. ``builtin`` builds a corpus from local Python sources (no downloads)."""
+
+    kind: str = MISSING  # builtin | indexed | sft | mock
+    tokenizer: str = "builtin"  # local HF tokenizer directory, or "builtin"
+    blend: List[Any] = field(default_factory=list)  # [weight, prefix, weight, prefix, ...] or [prefix]
+    blend_per_split: Optional[Dict[str, List[Any]]] = None  # {"train": [...], "valid": [...], "test": [...]}
+    split: str = "949,50,1"
+    cache_dir: Optional[str] = None  # index caches; a shared filesystem path on multi-node jobs
+    num_workers: int = 0
+    builtin_max_files: int = 600  # builtin corpus: how many stdlib files to read
+    builtin_vocab_size: int = 4096
+    # SFT
+    sft_path: Optional[str] = None
+    sft_valid_path: Optional[str] = None
+    chat_template: Optional[str] = None  # None -> the tokenizer's own; or a template shipped with the project
+    answer_only_loss: bool = True
+    packing: bool = True
+    overlong_policy: str = "truncate"  # truncate | drop
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adam"  # adam | sgd
+    lr: float = MISSING
+    min_lr: float = 0.0
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.0
+    clip_grad: float = 1.0
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "cosine"  # cosine | linear | constant
+    lr_decay_iters: Optional[int] = None  # None -> train.train_iters
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    save_interval: int = 1000
+    keep_last: int = 2
+    load: str = "auto"  # auto (latest complete under run.dir/checkpoints) | none | <path>
+    pretrained: Optional[str] = None  # converted base model to start from (fine-tuning)
+    save: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_iters: int = 4
+    tensorboard: bool = True  # when the tensorboard package is importable
+    wandb_project: Optional[str] = None
+    plot: bool = True
+
+
+@dataclass
+class TrainConfig:
+    global_batch_size: int = MISSING
+    micro_batch_size: int = MISSING
+    seq_length: int = MISSING
+    train_iters: int = MISSING
+    recompute: str = "none"  # none | selective | full
+    recompute_method: str = "uniform"  # uniform | block (with recompute=full)
+    recompute_num_layers: int = 1
+    exit_on_nan: bool = True
+
+
+@dataclass
+class RunDirConfig:
+    dir: str = MISSING
+    name: str = "run"
+
+
+@dataclass
+class RunConfig:
+    """A whole, resolved recipe."""
+
+    run: RunDirConfig = field(default_factory=RunDirConfig)
+    seed: int = 1234
+    model: ModelConfig = MISSING
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cluster: ClusterConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    data: DataConfig = MISSING
+    optimizer: OptimizerConfig = MISSING
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
