@@ -1,0 +1,1 @@
+"""Recipe -> megatron-core model: the config mapping, layer specs, machine capabilities."""

@@ -1,0 +1,91 @@
+"""Recipe -> megatron-core ``GPTModel`` chunks for this rank (layer specs, pipeline stages, VPP chunks)."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from megatron_recipes.config import derived
+from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.models import capabilities
+from megatron_recipes.models.transformer_config import build_transformer_config
+
+
+def transformer_config_for(cfg: RunConfig):
+    use_te = capabilities.use_transformer_engine()
+    return build_transformer_config(cfg, use_te=use_te, cpu_init=not torch.cuda.is_available())
+
+
+def layer_spec(cfg: RunConfig, config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
+    """The TE spec when TE imports on a GPU, megatron-core's local spec otherwise."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    use_te = capabilities.use_transformer_engine()
+    return get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization=cfg.model.normalization, vp_stage=vp_stage, pp_rank=pp_rank
+    )
+
+
+def _mtp_spec(cfg: RunConfig, config, block_spec, vp_stage: Optional[int]):
+    if not cfg.model.mtp_num_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(
+        config, block_spec.layer_specs[-1], use_transformer_engine=capabilities.use_transformer_engine(), vp_stage=vp_stage
+    )
+
+
+def build_gpt_model(
+    cfg: RunConfig,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    config=None,
+):
+    """One GPTModel chunk. Requires megatron-core's parallel_state to be initialised."""
+    from megatron.core.models.gpt import GPTModel
+
+    config = config or transformer_config_for(cfg)
+    m = cfg.model
+    spec = layer_spec(cfg, config, vp_stage=vp_stage)
+    rope = m.position_embedding_type
+    if m.multi_latent_attention and m.rope_scaling is not None and m.rope_scaling.rope_type == "yarn":
+        rope = "rope"  # MLA applies yarn inside its attention module from the MLA config
+    scaling = m.rope_scaling if (m.rope_scaling is not None and m.rope_scaling.rope_type == "llama3") else None
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=derived.padded_vocab_size(m, cfg.parallel.tp),
+        max_sequence_length=max(m.max_position_embeddings, cfg.train.seq_length),
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=m.tie_embeddings,
+        position_embedding_type=rope,
+        rotary_percent=m.rotary_percent,
+        rotary_base=int(m.rotary_base),
+        rope_scaling=scaling is not None,
+        rope_scaling_factor=scaling.factor if scaling is not None else 8.0,
+        mtp_block_spec=_mtp_spec(cfg, config, spec, vp_stage),
+        vp_stage=vp_stage,
+    )
+
+
+def build_model_chunks(cfg: RunConfig) -> List[torch.nn.Module]:
+    """All model chunks this rank holds: one, or ``vpp`` chunks under the interleaved schedule."""
+    from megatron.core import parallel_state
+
+    config = transformer_config_for(cfg)
+    vpp = cfg.parallel.vpp or 1
+    chunks = []
+    for vp_stage in range(vpp):
+        stage = vp_stage if cfg.parallel.vpp else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        chunks.append(build_gpt_model(cfg, pre_process=pre, post_process=post, vp_stage=stage, config=config))
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    for chunk in chunks:
+        chunk.to(device)
+    return chunks

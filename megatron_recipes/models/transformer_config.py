@@ -1,0 +1,211 @@
+"""The one mapping from a recipe to megatron-core's ``TransformerConfig`` (or ``MLATransformerConfig``).
+
+Every recipe setting megatron-core understands reaches it here and only here, so a CLI override can
+never be overwritten later by a preset, and conversion, training and planning build the same model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict
+
+import torch
+import torch.nn.functional as F
+
+from megatron_recipes.config import derived
+from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.config.schema import RunConfig
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def params_dtype(cfg: RunConfig) -> torch.dtype:
+    return _DTYPES[cfg.precision.params_dtype]
+
+
+def _activation(name: str) -> Dict[str, Any]:
+    if name == "swiglu":
+        return {"activation_func": F.silu, "gated_linear_unit": True}
+    if name == "gelu":
+        return {"activation_func": F.gelu, "gated_linear_unit": False}
+    if name == "squared_relu":
+        return {"activation_func": lambda x: torch.pow(F.relu(x), 2), "gated_linear_unit": False}
+    raise RecipeError(f"model.activation={name!r} is not supported", fix="use swiglu, gelu or squared_relu")
+
+
+def _parallel_fields(cfg: RunConfig) -> Dict[str, Any]:
+    p = cfg.parallel
+    return {
+        "tensor_model_parallel_size": p.tp,
+        "pipeline_model_parallel_size": p.pp,
+        "virtual_pipeline_model_parallel_size": p.vpp,
+        "context_parallel_size": p.cp,
+        "expert_model_parallel_size": p.ep,
+        "expert_tensor_parallel_size": derived.expert_tensor_parallel_size(cfg),
+        "sequence_parallel": p.sp,
+        "cp_comm_type": p.cp_comm_type,
+        "num_layers_in_first_pipeline_stage": p.num_layers_in_first_pipeline_stage,
+        "num_layers_in_last_pipeline_stage": p.num_layers_in_last_pipeline_stage,
+    }
+
+
+def _precision_fields(cfg: RunConfig) -> Dict[str, Any]:
+    prec = cfg.precision
+    dtype = params_dtype(cfg)
+    out: Dict[str, Any] = {
+        "params_dtype": dtype,
+        "pipeline_dtype": dtype,
+        "bf16": prec.params_dtype == "bf16",
+        "fp16": prec.params_dtype == "fp16",
+    }
+    if prec.fp8:
+        out.update(fp8=prec.fp8, fp8_recipe=prec.fp8_recipe, fp8_param=prec.fp8_param_gather)
+    if prec.fp4:
+        out.update(fp4=prec.fp4, fp4_recipe=prec.fp4)
+    return out
+
+
+def _moe_fields(cfg: RunConfig, use_te: bool) -> Dict[str, Any]:
+    m = cfg.model
+    if not derived.is_moe(m):
+        return {}
+    p = cfg.parallel
+    out: Dict[str, Any] = {
+        "num_moe_experts": m.num_moe_experts,
+        "moe_router_topk": m.moe_router_topk,
+        "moe_ffn_hidden_size": m.moe_ffn_hidden_size or m.ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
+        "moe_layer_freq": derived.moe_layer_pattern(m),
+        "moe_router_score_function": m.moe_router_score_function,
+        "moe_router_pre_softmax": m.moe_router_pre_softmax,
+        "moe_router_num_groups": m.moe_router_num_groups,
+        "moe_router_group_topk": m.moe_router_group_topk,
+        "moe_router_topk_scaling_factor": m.moe_router_topk_scaling_factor,
+        "moe_router_enable_expert_bias": m.moe_router_enable_expert_bias,
+        "moe_router_load_balancing_type": m.moe_router_load_balancing_type,
+        "moe_aux_loss_coeff": m.moe_aux_loss_coeff,
+        "moe_router_dtype": "fp32",
+        "moe_token_dispatcher_type": p.moe_dispatcher,
+        "moe_grouped_gemm": use_te,
+    }
+    if p.moe_dispatcher == "flex":
+        out["moe_flex_dispatcher_backend"] = p.moe_flex_backend
+    return out
+
+
+def _recompute_fields(cfg: RunConfig) -> Dict[str, Any]:
+    t = cfg.train
+    if t.recompute == "none":
+        return {}
+    if t.recompute == "selective":
+        return {"recompute_granularity": "selective"}
+    if t.recompute == "full":
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": t.recompute_method,
+            "recompute_num_layers": t.recompute_num_layers,
+        }
+    raise RecipeError(f"train.recompute={t.recompute!r} is not known", fix="use none, selective or full")
+
+
+def _mla_fields(cfg: RunConfig) -> Dict[str, Any]:
+    m = cfg.model
+    out: Dict[str, Any] = {
+        "q_lora_rank": m.q_lora_rank,
+        "kv_lora_rank": m.kv_lora_rank,
+        "qk_head_dim": m.qk_head_dim,
+        "qk_pos_emb_head_dim": m.qk_pos_emb_head_dim,
+        "v_head_dim": m.v_head_dim,
+        "rotary_base": m.rotary_base,
+    }
+    rs = m.rope_scaling
+    if rs is None:
+        out.update(rope_type="rope")
+    elif rs.rope_type == "yarn":
+        out.update(
+            rope_type="yarn",
+            rotary_scaling_factor=rs.factor,
+            original_max_position_embeddings=rs.original_max_position_embeddings,
+            beta_fast=rs.beta_fast,
+            beta_slow=rs.beta_slow,
+            mscale=rs.mscale,
+            mscale_all_dim=rs.mscale_all_dim,
+        )
+    else:
+        raise RecipeError(
+            f"model.rope_scaling.rope_type={rs.rope_type!r} is not supported with multi-latent attention",
+            fix="use rope_type=yarn (as DeepSeek-V3) or drop model.rope_scaling",
+        )
+    return out
+
+
+def check_rope_scaling(cfg: RunConfig) -> None:
+    """megatron-core's llama3 scaling fixes low/high/original; other values cannot be honoured."""
+    rs = cfg.model.rope_scaling
+    if rs is None or cfg.model.multi_latent_attention:
+        return
+    if rs.rope_type != "llama3":
+        raise RecipeError(f"model.rope_scaling.rope_type={rs.rope_type!r} is only supported with MLA", fix="use llama3")
+    for key, expected in _LLAMA3_ROPE_DEFAULTS.items():
+        if getattr(rs, key) != expected:
+            raise RecipeError(
+                f"model.rope_scaling.{key}={getattr(rs, key)} differs from megatron-core's fixed llama3 value {expected}",
+                fix=f"set model.rope_scaling.{key}={expected} (megatron-core exposes only the factor)",
+            )
+
+
+def build_transformer_config(cfg: RunConfig, use_te: bool, cpu_init: bool):
+    """RunConfig -> TransformerConfig / MLATransformerConfig for this machine (``use_te``: TE spec)."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    m = cfg.model
+    fields: Dict[str, Any] = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size,
+        kv_channels=derived.head_dim(m),
+        normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon,
+        add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias,
+        qk_layernorm=m.qk_layernorm,
+        init_method_std=m.init_method_std,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        mtp_num_layers=m.mtp_num_layers,
+        calculate_per_token_loss=True,
+        use_cpu_initialization=cpu_init,
+        bias_activation_fusion=use_te,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        deallocate_pipeline_outputs=True,
+    )
+    fields.update(_activation(m.activation))
+    fields.update(_parallel_fields(cfg))
+    fields.update(_precision_fields(cfg))
+    fields.update(_moe_fields(cfg, use_te))
+    fields.update(_recompute_fields(cfg))
+    check_rope_scaling(cfg)
+    if m.multi_latent_attention:
+        fields.update(_mla_fields(cfg))
+        return _construct(MLATransformerConfig, fields)
+    return _construct(TransformerConfig, fields)
+
+
+def _construct(cls, fields: Dict[str, Any]):
+    """Build the config, turning megatron-core's own checks into a RecipeError that keeps its message."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(k for k in fields if k not in known)
+    if unknown:  # a field renamed in a newer megatron-core: fail loudly instead of dropping a setting
+        raise RecipeError(
+            f"megatron-core's {cls.__name__} has no field(s) {unknown}",
+            fix="use a supported megatron-core version (see pyproject.toml)",
+        )
+    try:
+        return cls(**fields)
+    except (AssertionError, ValueError) as exc:
+        raise RecipeError(f"megatron-core rejected the model configuration: {exc}", fix="see the message") from None

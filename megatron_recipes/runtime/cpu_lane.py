@@ -1,0 +1,217 @@
+"""The CPU lane: run unmodified megatron-core on CPU processes over gloo.
+
+megatron-core assumes CUDA everywhere (``torch.cuda.current_device()``, literal ``device="cuda"``, the
+CUDA RNG tracker, streams, ``torch.cuda.*Tensor`` type strings). This module patches exactly those
+process-wide entry points so the same model, schedules, DDP, distributed optimizer and
+dist-checkpointing code paths run on CPU. It exists so CI can prove parallel layouts correct and users
+can debug a recipe's layout on a laptop.
+
+It is only ever activated when CUDA is absent (``activate()`` refuses otherwise) and it announces itself
+in the log. Apply it once, at start-up, before building any model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+_ACTIVE = False
+_MODE: TorchFunctionMode | None = None
+_CUDA_DEVICE = re.compile(r"^cuda(:\d+)?$")
+_CPU = torch.device("cpu")
+
+
+def is_active() -> bool:
+    return _ACTIVE
+
+
+def needed() -> bool:
+    """The lane is for machines without CUDA only."""
+    return not torch.cuda.is_available()
+
+
+def _as_cpu(device: Any) -> Any:
+    """Map any CUDA device spelling (``"cuda"``, ``"cuda:1"``, ``torch.device("cuda")``, an int) to CPU."""
+    if isinstance(device, torch.device):
+        return _CPU if device.type == "cuda" else device
+    if isinstance(device, str):
+        return _CPU if _CUDA_DEVICE.match(device) else device
+    if isinstance(device, int) and not isinstance(device, bool):
+        return _CPU  # an int device index means a CUDA device to torch
+    return device
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments of every torch call to CPU (factories, ``.to``, ``.cuda``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs:
+            kwargs["device"] = _as_cpu(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _as_cpu(args[1])) + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+class _NoOpStream:
+    """Stand-in for ``torch.cuda.Stream``: CPU work is synchronous."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any) -> "_NoOpEvent":
+        return _NoOpEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> "_NoOpStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _NoOpEvent:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, *args: Any) -> None:
+        pass
+
+    def wait(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+_STREAM = _NoOpStream()
+
+
+def _patch_cuda_namespace() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.set_device = lambda *a, **k: None
+    cuda.synchronize = lambda *a, **k: None
+    cuda.Stream = _NoOpStream
+    cuda.Event = _NoOpEvent
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.current_stream = lambda *a, **k: _STREAM
+    cuda.default_stream = lambda *a, **k: _STREAM
+    cuda.empty_cache = lambda: None
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.memory_reserved = lambda *a, **k: 0
+    cuda.max_memory_reserved = lambda *a, **k: 0
+    cuda.reset_peak_memory_stats = lambda *a, **k: None
+    # The CUDA RNG becomes the CPU default generator, so megatron-core's RNG tracker forks real state.
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls this after seeding the CPU generator
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+
+
+def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # Inside a tracker fork the CPU generator *is* the forked state, so this warning is expected here.
+    logging.getLogger(mcore_random.__name__).addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+    )
+    try:  # megatron-core 0.16 leaves this name undefined when Transformer Engine is absent
+        from megatron.core.transformer.moe import moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+    except ImportError:
+        pass
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+def _patch_tensor_type() -> None:
+    """The optimizers accept only ``torch.cuda.*Tensor`` type strings; report CPU floats as such."""
+    original = torch.Tensor.type
+
+    def type_(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any):
+        if dtype is None and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return original(self, dtype, non_blocking, **kwargs) if dtype is not None else original(self)
+
+    torch.Tensor.type = type_
+
+
+def _patch_all_to_all() -> None:
+    """gloo's binding wants split sizes as Python lists; megatron-core's MoE dispatcher passes tensors."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        if isinstance(output_split_sizes, torch.Tensor):
+            output_split_sizes = output_split_sizes.tolist()
+        if isinstance(input_split_sizes, torch.Tensor):
+            input_split_sizes = input_split_sizes.tolist()
+        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    dist.all_to_all_single = all_to_all_single
+    c10d.all_to_all_single = all_to_all_single
+
+
+def activate() -> bool:
+    """Patch torch/megatron-core for CPU execution. Idempotent; refuses when CUDA is present."""
+    global _ACTIVE, _MODE
+    if _ACTIVE:
+        return True
+    if not needed():
+        raise RuntimeError(
+            "the CPU lane patches CUDA entry points process-wide and must not run on a machine with CUDA; "
+            "this machine has a GPU, so train on it directly"
+        )
+    _patch_cuda_namespace()
+    _patch_megatron()
+    _patch_tensor_type()
+    _patch_all_to_all()
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()
+    _ACTIVE = True
+    log.warning(
+        "CPU lane active: no CUDA device found, running megatron-core on CPU over gloo "
+        "(for correctness and layout debugging, not speed)"
+    )
+    return True

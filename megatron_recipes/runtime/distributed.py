@@ -1,0 +1,124 @@
+"""Process groups: torch.distributed + megatron-core's parallel_state, from a recipe.
+
+One place decides the device and backend: NCCL on CUDA, gloo plus the CPU lane when CUDA is absent.
+Works under torchrun (reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*) and as a single process (a one-rank
+group on a free local port), which conversion and tests use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_recipes.config import derived
+from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.runtime import cpu_lane
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    cpu_lane: bool
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def init_process_group(timeout_minutes: float = 10.0) -> Runtime:
+    """Start torch.distributed (idempotent). Activates the CPU lane first when there is no GPU."""
+    use_cuda = torch.cuda.is_available()
+    if not use_cuda:
+        cpu_lane.activate()
+    rank = _env_int("RANK", 0)
+    world = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"
+    if not dist.is_initialized():
+        if world == 1:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group(
+            backend=backend, rank=rank, world_size=world, timeout=timedelta(minutes=timeout_minutes)
+        )
+    return Runtime(rank, world, local_rank, device, backend, cpu_lane=not use_cuda)
+
+
+def check_world_matches(cfg: RunConfig, world: int) -> None:
+    expected = derived.world_size(cfg)
+    if world != expected:
+        raise RecipeError(
+            f"{world} process(es) were started but the recipe's cluster is cluster.nodes={cfg.cluster.nodes} x "
+            f"cluster.gpus_per_node={cfg.cluster.gpus_per_node} = {expected} ranks",
+            fix=f"start {expected} processes (torchrun --nproc_per_node {cfg.cluster.gpus_per_node} on each node), "
+            f"or set cluster.nodes/cluster.gpus_per_node to match {world}",
+        )
+
+
+def init_model_parallel(cfg: RunConfig, timeout_minutes: float = 10.0) -> Runtime:
+    """Process group + megatron-core parallel_state for the recipe's layout, and seeded RNG trackers."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    runtime = init_process_group(timeout_minutes)
+    check_world_matches(cfg, runtime.world_size)
+    p = cfg.parallel
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp,
+        context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep,
+        expert_tensor_parallel_size=derived.expert_tensor_parallel_size(cfg),
+        distributed_timeout_minutes=int(max(1, timeout_minutes)),
+        order="tp-cp-ep-dp-pp",
+    )
+    seed_everything(cfg.seed)
+    return runtime
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank for the default generator; megatron-core's tracker for TP/EP streams."""
+    import random
+
+    import numpy as np
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
