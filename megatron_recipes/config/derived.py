@@ -61,12 +61,58 @@ def is_moe(model: ModelConfig) -> bool:
     return bool(model.num_moe_experts)
 
 
+def is_moe_layer(model: ModelConfig, layer: int) -> bool:
+    """Whether global layer ``layer`` is an MoE layer (the leading moe_first_dense_layers stay dense)."""
+    return is_moe(model) and layer >= model.moe_first_dense_layers
+
+
 def moe_layer_pattern(model: ModelConfig) -> list[int]:
     """Per-layer 1 (MoE) / 0 (dense), as megatron-core's ``moe_layer_freq`` list accepts."""
-    if not is_moe(model):
-        return [0] * model.num_layers
-    return [0 if i < model.moe_first_dense_layers else 1 for i in range(model.num_layers)]
+    return [int(is_moe_layer(model, i)) for i in range(model.num_layers)]
 
 
 def lr_decay_iters(cfg: RunConfig) -> int:
     return cfg.optimizer.lr_decay_iters or cfg.train.train_iters
+
+
+def virtual_pipeline_size(cfg: RunConfig) -> int:
+    return cfg.parallel.vpp or 1
+
+
+def pipeline_stage_layers(cfg: RunConfig) -> list[list[range]]:
+    """Global layer indices held by each (pp_rank, vp_stage), in megatron-core's placement.
+
+    Virtual stages are filled in schedule order (chunk-major, then pipeline rank), each chunk taking
+    its share: ``num_layers_in_first/last_pipeline_stage / vpp`` on the first/last rank when set, the
+    remaining layers split evenly over the other ranks. Counts that do not divide are floored; the
+    validation rules report such layouts, so callers only see them for invalid recipes.
+    """
+    p, layers = cfg.parallel, cfg.model.num_layers
+    pp, vpp = max(1, p.pp), virtual_pipeline_size(cfg)
+    first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
+    if pp == 1:
+        first = last = None
+    middle_ranks = pp - (first is not None) - (last is not None)
+    middle_layers = layers - (first or 0) - (last or 0)
+    per_middle_rank = middle_layers // middle_ranks if middle_ranks > 0 else 0
+
+    def chunk_size(rank: int) -> int:
+        if rank == 0 and first is not None:
+            return first // vpp
+        if rank == pp - 1 and last is not None:
+            return last // vpp
+        return per_middle_rank // vpp
+
+    stages: list[list[range]] = [[range(0)] * vpp for _ in range(pp)]
+    offset = 0
+    for v in range(vpp):
+        for rank in range(pp):
+            n = chunk_size(rank)
+            stages[rank][v] = range(offset, offset + n)
+            offset += n
+    return stages
+
+
+def layers_on_pipeline_rank(cfg: RunConfig, pp_rank: int) -> list[int]:
+    """Global indices of every transformer layer on one pipeline rank (all its virtual chunks)."""
+    return [i for chunk in pipeline_stage_layers(cfg)[pp_rank] for i in chunk]

@@ -56,6 +56,7 @@ class ModelConfig:
     qk_layernorm: bool = False
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
+    sliding_window: Optional[int] = None  # attend to the last N tokens (Mistral); None = full causal attention
     # Mixture of experts (num_moe_experts None -> dense model)
     num_moe_experts: Optional[int] = None
     moe_router_topk: int = 2
@@ -96,7 +97,8 @@ class ParallelConfig:
     moe_flex_backend: str = "deepep"  # deepep | hybridep (only with moe_dispatcher=flex)
     num_layers_in_first_pipeline_stage: Optional[int] = None
     num_layers_in_last_pipeline_stage: Optional[int] = None
-    allow_inter_node_tp: bool = False  # TP/EP groups spanning nodes are an error unless set
+    allow_inter_node_tp: bool = False  # TP groups leaving the NVLink domain are an error unless set
+    allow_inter_node_ep: bool = False  # EP groups leaving the NVLink domain are an error unless set
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
 
@@ -119,7 +121,7 @@ class ClusterConfig:
     partition: Optional[str] = None
     require_account: bool = False
     time_limit: str = "04:00:00"
-    cpus_per_task: Optional[int] = None
+    cpus_per_task: Optional[int] = None  # CPUs of one node: torchrun's task gets all, pmix splits them per rank
     exclusive: bool = True
     container_image: Optional[str] = None
     container_mounts: List[str] = field(default_factory=list)
@@ -151,7 +153,8 @@ class DataConfig:
     kind: str = MISSING  # builtin | indexed | sft | mock
     tokenizer: str = "builtin"  # local HF tokenizer directory, or "builtin"
     blend: List[Any] = field(default_factory=list)  # [weight, prefix, weight, prefix, ...] or [prefix]
-    blend_per_split: Optional[Dict[str, List[Any]]] = None  # {"train": [...], "valid": [...], "test": [...]}
+    # {"train": [...], "valid": [...], "test": [...]}; empty = unused (a dict, not None, so CLI overrides merge)
+    blend_per_split: Dict[str, List[Any]] = field(default_factory=dict)
     split: str = "949,50,1"
     cache_dir: Optional[str] = None  # index caches; a shared filesystem path on multi-node jobs
     num_workers: int = 0
@@ -190,6 +193,9 @@ class CheckpointConfig:
     load: str = "auto"  # auto (latest complete under run.dir/checkpoints) | none | <path>
     pretrained: Optional[str] = None  # converted base model to start from (fine-tuning)
     save: bool = True
+    # Distributed-optimizer state on disk: fully_reshardable resumes in any TP/PP/VPP/DP/EP layout;
+    # dp_reshardable saves without gathering but resumes only with the same model-parallel layout.
+    optimizer_format: str = "fully_reshardable"
 
 
 @dataclass
@@ -212,12 +218,41 @@ class TrainConfig:
     recompute_method: str = "uniform"  # uniform | block (with recompute=full)
     recompute_num_layers: int = 1
     exit_on_nan: bool = True
+    # Stop cleanly (checkpoint first) once the step count is a multiple of this (Megatron-LM's
+    # --exit-interval): for jobs split into fixed chunks of steps. None = run to train_iters.
+    exit_interval: Optional[int] = None
 
 
 @dataclass
 class RunDirConfig:
     dir: str = MISSING
     name: str = "run"
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning. ``method: none`` trains every parameter (pretraining, full SFT).
+
+    ``method`` is one of none | lora | dora | qlora | ptuning, or ``qlora+dora`` (DoRA on an NF4 base).
+    """
+
+    method: str = "none"
+    # LoRA / DoRA / QLoRA adapters on megatron-core's parallel linears
+    rank: int = 16
+    alpha: float = 32.0  # scaling = alpha / rank, as in HF PEFT
+    dropout: float = 0.0  # on the adapter's input
+    target_modules: List[str] = field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    )  # also expert_fc1 / expert_fc2 (routed experts); shared experts count as linear_fc1/fc2
+    # QLoRA: frozen base linears stored as NF4 with double-quantised scales
+    nf4_block_size: int = 64
+    double_quant: bool = True
+    double_quant_block_size: int = 256
+    nf4_backend: str = "auto"  # auto (bitsandbytes on a GPU when importable, else torch) | torch | bnb
+    # P-Tuning v2: trainable per-layer prefix keys/values
+    prefix_length: int = 16
+    prefix_projection: bool = False  # reparameterise the prefixes through a per-layer MLP
+    prefix_projection_hidden: int = 512
 
 
 @dataclass
@@ -235,3 +270,4 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)

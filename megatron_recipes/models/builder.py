@@ -17,24 +17,63 @@ def transformer_config_for(cfg: RunConfig):
     return build_transformer_config(cfg, use_te=use_te, cpu_init=not torch.cuda.is_available())
 
 
-def layer_spec(cfg: RunConfig, config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
-    """The TE spec when TE imports on a GPU, megatron-core's local spec otherwise."""
+def layer_spec(
+    cfg: RunConfig, config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None, use_te: Optional[bool] = None
+):
+    """The TE spec when TE imports on a GPU, megatron-core's local spec otherwise (or as ``use_te`` says)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    use_te = capabilities.use_transformer_engine()
-    return get_gpt_decoder_block_spec(
+    use_te = capabilities.use_transformer_engine() if use_te is None else use_te
+    spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization=cfg.model.normalization, vp_stage=vp_stage, pp_rank=pp_rank
     )
+    if not use_te:
+        _use_te_checkpoint_names(spec)
+        from megatron_recipes.models.local_spec import adapt_local_spec
+
+        spec = adapt_local_spec(spec, config)  # SDPA core attention; SP-capable torch norms
+    return spec
 
 
-def _mtp_spec(cfg: RunConfig, config, block_spec, vp_stage: Optional[int]):
+def _use_te_checkpoint_names(block_spec) -> None:
+    """Give the local spec's checkpoint keys the Transformer Engine spec's names (and let MLA run on it).
+
+    megatron-core's local spec renames the norms TE fuses into linears for dense GPT layers only; for
+    MoE layers (TE keeps ``pre_mlp_layernorm``) and MLA (TE fuses the q/kv norms into the up-projections)
+    its names differ, so a checkpoint written on the CPU lane would not load on a GPU, or vice versa.
+    """
+    import dataclasses
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from megatron_recipes.models.local_mla import use_local_mla_attention
+
+    def renamed(spec):
+        use_local_mla_attention(spec)
+        sub = spec.submodules
+        if not hasattr(sub, "sharded_state_dict_keys_map"):
+            return spec
+        attention, mlp = getattr(sub.self_attention, "module", None), getattr(sub.mlp, "module", None)
+        keys = {}
+        if isinstance(attention, type) and issubclass(attention, MLASelfAttention):
+            keys["self_attention.q_layernorm."] = "self_attention.linear_q_up_proj.layer_norm_"
+            keys["self_attention.kv_layernorm."] = "self_attention.linear_kv_up_proj.layer_norm_"
+        else:
+            keys["input_layernorm."] = "self_attention.linear_qkv.layer_norm_"
+        if not (isinstance(mlp, type) and issubclass(mlp, MoELayer)):
+            keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+        return dataclasses.replace(spec, submodules=dataclasses.replace(sub, sharded_state_dict_keys_map=keys))
+
+    block_spec.layer_specs = [renamed(s) for s in block_spec.layer_specs]
+
+
+def _mtp_spec(cfg: RunConfig, config, block_spec, vp_stage: Optional[int], use_te: bool):
     if not cfg.model.mtp_num_layers:
         return None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    return get_gpt_mtp_block_spec(
-        config, block_spec.layer_specs[-1], use_transformer_engine=capabilities.use_transformer_engine(), vp_stage=vp_stage
-    )
+    return get_gpt_mtp_block_spec(config, block_spec.layer_specs[-1], use_transformer_engine=use_te, vp_stage=vp_stage)
 
 
 def build_gpt_model(
@@ -43,13 +82,19 @@ def build_gpt_model(
     post_process: bool = True,
     vp_stage: Optional[int] = None,
     config=None,
+    use_te: Optional[bool] = None,
 ):
-    """One GPTModel chunk. Requires megatron-core's parallel_state to be initialised."""
+    """One GPTModel chunk. Requires megatron-core's parallel_state to be initialised.
+
+    ``use_te=False`` forces the local spec (conversion builds shape-only models from it on any machine;
+    its checkpoint keys equal the TE spec's, see ``_use_te_checkpoint_names``).
+    """
     from megatron.core.models.gpt import GPTModel
 
+    use_te = capabilities.use_transformer_engine() if use_te is None else use_te
     config = config or transformer_config_for(cfg)
     m = cfg.model
-    spec = layer_spec(cfg, config, vp_stage=vp_stage)
+    spec = layer_spec(cfg, config, vp_stage=vp_stage, use_te=use_te)
     rope = m.position_embedding_type
     if m.multi_latent_attention and m.rope_scaling is not None and m.rope_scaling.rope_type == "yarn":
         rope = "rope"  # MLA applies yarn inside its attention module from the MLA config
@@ -68,7 +113,7 @@ def build_gpt_model(
         rotary_base=int(m.rotary_base),
         rope_scaling=scaling is not None,
         rope_scaling_factor=scaling.factor if scaling is not None else 8.0,
-        mtp_block_spec=_mtp_spec(cfg, config, spec, vp_stage),
+        mtp_block_spec=_mtp_spec(cfg, config, spec, vp_stage, use_te),
         vp_stage=vp_stage,
     )
 

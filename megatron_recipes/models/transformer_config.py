@@ -34,7 +34,7 @@ def _activation(name: str) -> Dict[str, Any]:
     raise RecipeError(f"model.activation={name!r} is not supported", fix="use swiglu, gelu or squared_relu")
 
 
-def _parallel_fields(cfg: RunConfig) -> Dict[str, Any]:
+def _parallel_fields(cfg: RunConfig, on_gpu: bool) -> Dict[str, Any]:
     p = cfg.parallel
     return {
         "tensor_model_parallel_size": p.tp,
@@ -47,6 +47,12 @@ def _parallel_fields(cfg: RunConfig) -> Dict[str, Any]:
         "cp_comm_type": p.cp_comm_type,
         "num_layers_in_first_pipeline_stage": p.num_layers_in_first_pipeline_stage,
         "num_layers_in_last_pipeline_stage": p.num_layers_in_last_pipeline_stage,
+        # Megatron-LM's defaults: unbatched p2p, overlapped under VPP. On gloo (CPU lane) both the batched
+        # path and the overlapped one gave wrong PP=2 x VPP=2 losses without any error (messages to the
+        # same peer matched out of order / send buffers released before the async send read them), so
+        # there the interleaved schedule communicates unbatched and waits for each exchange.
+        "batch_p2p_comm": False,
+        "overlap_p2p_comm": p.vpp is not None and on_gpu,
     }
 
 
@@ -176,6 +182,7 @@ def build_transformer_config(cfg: RunConfig, use_te: bool, cpu_init: bool):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         mtp_num_layers=m.mtp_num_layers,
+        window_size=(m.sliding_window - 1, 0) if m.sliding_window else None,  # HF: the last N keys, itself included
         calculate_per_token_loss=True,
         use_cpu_initialization=cpu_init,
         bias_activation_fusion=use_te,
@@ -185,7 +192,7 @@ def build_transformer_config(cfg: RunConfig, use_te: bool, cpu_init: bool):
         deallocate_pipeline_outputs=True,
     )
     fields.update(_activation(m.activation))
-    fields.update(_parallel_fields(cfg))
+    fields.update(_parallel_fields(cfg, on_gpu=not cpu_init))
     fields.update(_precision_fields(cfg))
     fields.update(_moe_fields(cfg, use_te))
     fields.update(_recompute_fields(cfg))

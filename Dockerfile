@@ -1,0 +1,28 @@
+# syntax=docker/dockerfile:1
+# megatron-recipes on NVIDIA's NGC PyTorch image, which already carries CUDA, NCCL, cuDNN, Transformer
+# Engine and Apex for H100/H200 (x86_64) and GB200 (arm64). The tag is pinned: change BASE_IMAGE on
+# purpose, never implicitly.
+#   docker build -t megatron-recipes:latest .
+#   enroot import -o megatron-recipes.sqsh dockerd://megatron-recipes:latest
+#   megatron-recipes slurm submit <recipe> cluster.container_image=/shared/images/megatron-recipes.sqsh ...
+# (slurm/README.md has the details.)
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3
+FROM ${BASE_IMAGE}
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /opt/megatron-recipes
+# Only what the package needs, so edits to tests or docs do not invalidate the install layer.
+COPY pyproject.toml setup.py README.md ./
+COPY megatron_recipes/ megatron_recipes/
+COPY recipes/ recipes/
+COPY conversion/ conversion/
+COPY launch/ launch/
+# The base image's pip constraints keep its own torch/TE/NCCL builds: pip fails loudly rather than
+# replacing them. The import check fails the build if the entry points cannot load.
+RUN pip install --no-cache-dir . \
+ && python -c "import megatron.core, megatron_recipes.train, megatron_recipes._launch.entry" \
+ && megatron-recipes --help > /dev/null
+
+WORKDIR /workspace

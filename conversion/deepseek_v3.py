@@ -1,0 +1,134 @@
+"""DeepSeek-V3 (``DeepseekV3ForCausalLM``): multi-latent attention, first layers dense, then sigmoid-routed
+experts with a shared expert and a routing bias.
+
+Multi-token-prediction layers (``model.layers.<num_hidden_layers>...``, ignored by transformers too) are
+skipped: the imported recipe sets ``mtp_num_layers: null``. megatron-core's MLA keeps the RoPE channels of
+the q and k-rope projections interleaved, as HF's default ``rope_interleave: true`` does; a model stored
+with ``rope_interleave: false`` is permuted once on import (``RopeRows``).
+"""
+
+from megatron_recipes._conversion import _moe, llama
+from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.convert.family import Family, hf_layer, layer_table
+from megatron_recipes.convert.hf_config import dense_from_hf, dense_to_hf, require
+from megatron_recipes.convert.transforms import Copy, Gated, RopeRows
+
+
+def _q_block(m):
+    return m.qk_head_dim + m.qk_pos_emb_head_dim
+
+
+def _rope(m):
+    return m.qk_pos_emb_head_dim
+
+
+MLA = layer_table(
+    {
+        "input_layernorm.weight": Copy(hf_layer("input_layernorm.weight")),
+        "self_attention.linear_q_proj.weight": RopeRows(hf_layer("self_attn.q_proj.weight"), _q_block, _rope),
+        "self_attention.linear_q_down_proj.weight": Copy(hf_layer("self_attn.q_a_proj.weight")),
+        "self_attention.linear_q_up_proj.layer_norm_weight": Copy(hf_layer("self_attn.q_a_layernorm.weight")),
+        "self_attention.linear_q_up_proj.weight": RopeRows(hf_layer("self_attn.q_b_proj.weight"), _q_block, _rope),
+        "self_attention.linear_kv_down_proj.weight": RopeRows(
+            hf_layer("self_attn.kv_a_proj_with_mqa.weight"), lambda m: m.kv_lora_rank + m.qk_pos_emb_head_dim, _rope
+        ),
+        "self_attention.linear_kv_up_proj.layer_norm_weight": Copy(hf_layer("self_attn.kv_a_layernorm.weight")),
+        "self_attention.linear_kv_up_proj.weight": Copy(hf_layer("self_attn.kv_b_proj.weight")),
+        "self_attention.linear_proj.weight": Copy(hf_layer("self_attn.o_proj.weight")),
+    }
+)
+
+MOE = {
+    **_moe.routed_experts("mlp.gate.weight", "mlp.experts.{expert}", "gate_proj.weight", "up_proj.weight", "down_proj.weight"),
+    **layer_table(
+        {
+            "mlp.router.expert_bias": Copy(hf_layer("mlp.gate.e_score_correction_bias")),
+            "mlp.shared_experts.linear_fc1.weight": Gated(
+                hf_layer("mlp.shared_experts.gate_proj.weight"), hf_layer("mlp.shared_experts.up_proj.weight")
+            ),
+            "mlp.shared_experts.linear_fc2.weight": Copy(hf_layer("mlp.shared_experts.down_proj.weight")),
+        }
+    ),
+}
+
+
+def config_from_hf(hf):
+    require(hf, "norm_topk_prob", True, "megatron-core normalises the top-k sigmoid scores")
+    require(hf, "moe_layer_freq", 1, "every layer after the first dense ones must be MoE")
+    require(hf, "attention_bias", False, "MLA projections are bias-free")
+    topk, groups, group_topk = hf.num_experts_per_tok, hf.n_group, hf.topk_group
+    if groups and group_topk and topk // group_topk != 2:
+        raise RecipeError(
+            f"HF num_experts_per_tok={topk} / topk_group={group_topk} != 2: HF scores groups by their top-2 experts, "
+            "megatron-core by their top-(topk/group_topk)",
+            fix="only configurations with num_experts_per_tok == 2 * topk_group convert exactly",
+        )
+    out = dense_from_hf(hf)
+    out.update(
+        family="deepseek_v3",
+        num_query_groups=hf.num_attention_heads,
+        kv_channels=None,
+        multi_latent_attention=True,
+        qk_layernorm=True,
+        q_lora_rank=hf.q_lora_rank,
+        kv_lora_rank=hf.kv_lora_rank,
+        qk_head_dim=hf.qk_nope_head_dim,
+        qk_pos_emb_head_dim=hf.qk_rope_head_dim,
+        v_head_dim=hf.v_head_dim,
+        num_moe_experts=hf.n_routed_experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=hf.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=(hf.n_shared_experts or 0) * hf.moe_intermediate_size or None,
+        moe_first_dense_layers=hf.first_k_dense_replace,
+        moe_router_score_function="sigmoid",
+        moe_router_num_groups=groups,
+        moe_router_group_topk=group_topk,
+        moe_router_topk_scaling_factor=float(hf.routed_scaling_factor),
+        moe_router_enable_expert_bias=True,
+        moe_router_load_balancing_type="seq_aux_loss",
+        moe_aux_loss_coeff=1e-4,
+        mtp_num_layers=None,  # MTP weights are skipped (see module docstring)
+    )
+    return out
+
+
+def config_to_hf(m):
+    out = dense_to_hf(m)
+    out.update(
+        num_key_value_heads=m.num_attention_heads,
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_nope_head_dim=m.qk_head_dim,
+        qk_rope_head_dim=m.qk_pos_emb_head_dim,
+        v_head_dim=m.v_head_dim,
+        n_routed_experts=m.num_moe_experts,
+        num_experts_per_tok=m.moe_router_topk,
+        moe_intermediate_size=m.moe_ffn_hidden_size,
+        n_shared_experts=(m.moe_shared_expert_intermediate_size or 0) // (m.moe_ffn_hidden_size or 1),
+        first_k_dense_replace=m.moe_first_dense_layers,
+        n_group=m.moe_router_num_groups,
+        topk_group=m.moe_router_group_topk,
+        routed_scaling_factor=m.moe_router_topk_scaling_factor,
+        norm_topk_prob=True,
+    )
+    return out
+
+
+def _mtp_layers(hf):
+    """HF names of the multi-token-prediction layers (stored after the decoder layers)."""
+    extra = int(getattr(hf, "num_nextn_predict_layers", 0) or 0)
+    first = hf.num_hidden_layers
+    return tuple(rf"model\.layers\.{i}\..*" for i in range(first, first + extra))
+
+
+FAMILY = Family(
+    name="deepseek_v3",
+    architectures=("DeepseekV3ForCausalLM",),
+    model_type="deepseek_v3",
+    weights={**llama.EMBEDDINGS, **MLA, **llama.DENSE_MLP, **MOE},
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    flags_from_hf=lambda hf: {"rope_interleave": bool(getattr(hf, "rope_interleave", True))},
+    ignored_from_hf=_mtp_layers,
+    notes="multi-token-prediction layers are skipped (mtp_num_layers: null)",
+)

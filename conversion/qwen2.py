@@ -1,0 +1,36 @@
+"""Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``): Llama's tensors plus biases on q/k/v."""
+
+import dataclasses
+
+from megatron_recipes._conversion import llama
+from megatron_recipes.convert.family import hf_layer, layer_table
+from megatron_recipes.convert.hf_config import dense_from_hf, dense_to_hf, require
+from megatron_recipes.convert.transforms import QKV
+
+QKV_BIAS = layer_table(
+    {
+        "self_attention.linear_qkv.bias": QKV(
+            hf_layer("self_attn.q_proj.bias"), hf_layer("self_attn.k_proj.bias"), hf_layer("self_attn.v_proj.bias")
+        ),
+    }
+)
+
+
+def config_from_hf(hf):
+    require(hf, "use_sliding_window", False, "per-layer sliding windows are not mapped")
+    return {**dense_from_hf(hf), "family": "qwen2", "add_qkv_bias": True}
+
+
+def config_to_hf(m):
+    return {**dense_to_hf(m), "use_sliding_window": False}
+
+
+FAMILY = dataclasses.replace(
+    llama.FAMILY,
+    name="qwen2",
+    architectures=("Qwen2ForCausalLM",),
+    model_type="qwen2",
+    weights={**llama.FAMILY.weights, **QKV_BIAS},
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+)

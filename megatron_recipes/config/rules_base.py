@@ -1,0 +1,133 @@
+"""What a validation rule is, plus the small helpers rule checks share (divisors, value lists).
+
+A rule is data: an id, the fields it reads, a check returning ``None`` (fine) or a message that names
+the offending values and the valid ones, a one-line statement of the rule, and a fix. Rules whose inputs
+are already broken by a more basic rule return ``None`` so every problem is reported once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
+
+from megatron_recipes.config import derived
+from megatron_recipes.config.schema import RunConfig
+
+Check = Callable[[RunConfig], Optional[str]]
+Fix = Union[str, Callable[[RunConfig], str]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    fields: Tuple[str, ...]
+    check: Check
+    message: str  # the rule itself, one line (shown in docs and `plan --rules`)
+    fix: Fix
+
+    def fix_text(self, cfg: RunConfig) -> str:
+        return self.fix(cfg) if callable(self.fix) else self.fix
+
+
+def rule(id: str, fields: Sequence[str], message: str, fix: Fix) -> Callable[[Check], Rule]:
+    """Decorator: turn a check function into a ``Rule`` entry of the table."""
+
+    def wrap(check: Check) -> Rule:
+        return Rule(id=id, fields=tuple(fields), check=check, message=message, fix=fix)
+
+    return wrap
+
+
+def divisors(n: int) -> List[int]:
+    n = abs(int(n))
+    return [d for d in range(1, n + 1) if n % d == 0] if n else []
+
+
+def choices(values: Iterable[object], limit: int = 12) -> str:
+    vals = list(values)
+    if not vals:
+        return "{} (none)"
+    shown = ", ".join(str(v) for v in vals[:limit])
+    return "{" + shown + (", ..." if len(vals) > limit else "") + "}"
+
+
+def fmt_ranks(ranks: Sequence[int]) -> str:
+    """A rank list, shortened in the middle when long."""
+    ranks = list(ranks)
+    shown = ranks if len(ranks) <= 8 else ranks[:4] + ["..."] + ranks[-1:]
+    return "[" + ", ".join(map(str, shown)) + "]"
+
+
+def one_of(value: object, allowed: Sequence[object], field: str) -> Optional[str]:
+    if value in allowed:
+        return None
+    return f"{field}={value!r} is not one of {choices(allowed)}"
+
+
+def is_gpu(cfg: RunConfig) -> bool:
+    return cfg.cluster.gpu_arch != "cpu"
+
+
+def degrees_ok(cfg: RunConfig) -> bool:
+    p = cfg.parallel
+    etp = derived.expert_tensor_parallel_size(cfg)
+    basic = all(isinstance(d, int) and d >= 1 for d in (p.tp, p.pp, p.cp, p.ep, etp))
+    return basic and (p.vpp is None or p.vpp >= 1) and cfg.cluster.nodes >= 1 and cfg.cluster.gpus_per_node >= 1
+
+
+def world_ok(cfg: RunConfig) -> bool:
+    """Both megatron-core rank generators can be built (dense and expert layouts factorise the world)."""
+    return degrees_ok(cfg) and derived.data_parallel_size(cfg) > 0 and derived.expert_data_parallel_size(cfg) > 0
+
+
+def layers_ok(cfg: RunConfig) -> bool:
+    """The pipeline split of the layers is valid (so per-stage quantities mean something)."""
+    from megatron_recipes.config.rules_layout import pipeline_split_problem
+
+    return degrees_ok(cfg) and pipeline_split_problem(cfg) is None
+
+
+def model_ok(cfg: RunConfig) -> bool:
+    """The architecture is self-consistent (so parameter and activation formulas apply)."""
+    m = cfg.model
+    if min(m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size, m.vocab_size) < 1:
+        return False
+    if m.multi_latent_attention:
+        dims = (m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim)
+        if not all(d and d >= 1 for d in dims):
+            return False
+    elif m.num_query_groups < 1 or m.num_attention_heads % m.num_query_groups:
+        return False
+    if not m.kv_channels and not m.multi_latent_attention and m.hidden_size % m.num_attention_heads:
+        return False
+    if m.num_moe_experts is not None and not 1 <= m.moe_router_topk <= m.num_moe_experts:
+        return False
+    return True
+
+
+def batch_ok(cfg: RunConfig) -> bool:
+    t = cfg.train
+    return world_ok(cfg) and min(t.global_batch_size, t.micro_batch_size, t.seq_length) >= 1 and derived.num_microbatches(cfg) > 0
+
+
+def blocks_cross_domain(world: int, block: int, domain: int) -> bool:
+    """Whether contiguous rank blocks of ``block`` (how TP, and ETP x EP, groups are laid out in
+    megatron-core's order) straddle an NVLink-domain boundary somewhere in ``world``."""
+    domain = max(1, domain)
+    return any(start // domain != (start + block - 1) // domain for start in range(0, world, block))
+
+
+def valid_tp_values(cfg: RunConfig) -> List[int]:
+    """TP degrees that split heads, query groups and FFN, factorise the world and stay in NVLink."""
+    m, p = cfg.model, cfg.parallel
+    world = derived.world_size(cfg)
+    out = []
+    for tp in divisors(m.num_attention_heads):
+        if not m.multi_latent_attention and m.num_query_groups % tp:
+            continue
+        if m.ffn_hidden_size % tp or world % (tp * max(1, p.pp) * max(1, p.cp)):
+            continue
+        if is_gpu(cfg) and not p.allow_inter_node_tp and blocks_cross_domain(world, tp, cfg.cluster.nvlink_domain):
+            continue
+        out.append(tp)
+    return out

@@ -1,0 +1,367 @@
+"""Rules on the parallel layout: world factorisation, TP/SP, pipeline split, context parallelism, NVLink."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_recipes.config import derived
+from megatron_recipes.config.rules_base import (
+    choices,
+    degrees_ok,
+    divisors,
+    fmt_ranks,
+    is_gpu,
+    one_of,
+    rule,
+    valid_tp_values,
+    world_ok,
+)
+from megatron_recipes.config.schema import RunConfig
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+def _world_desc(cfg: RunConfig) -> str:
+    c = cfg.cluster
+    return f"world size {derived.world_size(cfg)} (cluster.nodes={c.nodes} x cluster.gpus_per_node={c.gpus_per_node})"
+
+
+@rule(
+    "layout.degrees_positive",
+    ["parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "parallel.etp", "parallel.vpp", "cluster.nodes", "cluster.gpus_per_node"],
+    "every parallel degree and the cluster shape are positive integers",
+    "set each degree to 1 or more (parallel.vpp=null disables interleaving)",
+)
+def _degrees_positive(cfg: RunConfig) -> Optional[str]:
+    if degrees_ok(cfg):
+        return None
+    p, c = cfg.parallel, cfg.cluster
+    values = dict(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp)
+    bad = [f"parallel.{k}={v}" for k, v in values.items() if v is not None and v < 1]
+    bad += [f"cluster.{k}={v}" for k, v in (("nodes", c.nodes), ("gpus_per_node", c.gpus_per_node)) if v < 1]
+    return f"{', '.join(bad)} must be >= 1"
+
+
+@rule(
+    "layout.world_factorisation",
+    ["parallel.tp", "parallel.pp", "parallel.cp", "cluster.nodes", "cluster.gpus_per_node"],
+    "the world size is divisible by tp * pp * cp (DP = world / (tp * pp * cp))",
+    "change parallel.tp/pp/cp or cluster.nodes so that tp * pp * cp divides the world size",
+)
+def _world_factorisation(cfg: RunConfig) -> Optional[str]:
+    if not degrees_ok(cfg) or derived.data_parallel_size(cfg) > 0:
+        return None
+    p, world = cfg.parallel, derived.world_size(cfg)
+    mp = p.tp * p.pp * p.cp
+    msg = f"{_world_desc(cfg)} is not divisible by parallel.tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {mp}"
+    if world % (p.tp * p.cp) == 0:
+        msg += f"; with tp={p.tp}, cp={p.cp} use parallel.pp in {choices(divisors(world // (p.tp * p.cp)))}"
+    else:
+        msg += f"; tp*pp*cp must be one of {choices(divisors(world))}"
+    return msg
+
+
+@rule(
+    "layout.expert_factorisation",
+    ["parallel.ep", "parallel.etp", "parallel.pp", "parallel.tp", "parallel.cp"],
+    "etp * ep * pp divides the world, i.e. the expert layout fits in the DP x CP x TP ranks of each stage",
+    "lower parallel.ep (or parallel.etp) so that etp * ep divides tp * cp * dp",
+)
+def _expert_factorisation(cfg: RunConfig) -> Optional[str]:
+    if not degrees_ok(cfg) or derived.data_parallel_size(cfg) == 0 or derived.expert_data_parallel_size(cfg) > 0:
+        return None
+    p = cfg.parallel
+    etp = derived.expert_tensor_parallel_size(cfg)
+    per_stage = p.tp * p.cp * derived.data_parallel_size(cfg)
+    ok_ep = [e for e in divisors(per_stage // etp if per_stage % etp == 0 else 0) if not cfg.model.num_moe_experts or cfg.model.num_moe_experts % e == 0]
+    return (
+        f"parallel.etp*ep = {etp}*{p.ep} = {etp * p.ep} does not divide the {per_stage} ranks of a pipeline stage "
+        f"(tp*cp*dp = {p.tp}*{p.cp}*{derived.data_parallel_size(cfg)}); use parallel.ep in {choices(ok_ep)}"
+    )
+
+
+@rule(
+    "tp.attention_heads",
+    ["model.num_attention_heads", "parallel.tp"],
+    "num_attention_heads is divisible by parallel.tp",
+    "pick a TP degree that divides the number of heads",
+)
+def _tp_heads(cfg: RunConfig) -> Optional[str]:
+    m, tp = cfg.model, cfg.parallel.tp
+    if tp < 1 or m.num_attention_heads % tp == 0:
+        return None
+    return f"num_attention_heads={m.num_attention_heads} is not divisible by parallel.tp={tp}; use parallel.tp in {choices(valid_tp_values(cfg))}"
+
+
+@rule(
+    "tp.query_groups",
+    ["model.num_query_groups", "parallel.tp"],
+    "num_query_groups (K/V heads) is divisible by parallel.tp",
+    "pick a TP degree that divides the number of query groups",
+)
+def _tp_query_groups(cfg: RunConfig) -> Optional[str]:
+    m, tp = cfg.model, cfg.parallel.tp
+    if m.multi_latent_attention or tp < 1 or m.num_query_groups % tp == 0:
+        return None
+    return f"num_query_groups={m.num_query_groups} is not divisible by parallel.tp={tp}; use parallel.tp in {choices(valid_tp_values(cfg))}"
+
+
+@rule(
+    "tp.ffn_hidden",
+    ["model.ffn_hidden_size", "model.moe_shared_expert_intermediate_size", "parallel.tp"],
+    "ffn_hidden_size (and the shared-expert size) is divisible by parallel.tp",
+    "pick a TP degree that divides the MLP width",
+)
+def _tp_ffn(cfg: RunConfig) -> Optional[str]:
+    m, tp = cfg.model, cfg.parallel.tp
+    if tp < 1:
+        return None
+    for name in ("ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        size = getattr(m, name)
+        if size and size % tp:
+            return f"{name}={size} is not divisible by parallel.tp={tp}; use parallel.tp in {choices(valid_tp_values(cfg))}"
+    return None
+
+
+@rule(
+    "tp.nvlink_domain",
+    ["parallel.tp", "cluster.nvlink_domain", "parallel.allow_inter_node_tp"],
+    "every TP group stays inside one NVLink domain (TP communicates every layer)",
+    "lower parallel.tp, or set parallel.allow_inter_node_tp=true if you really mean it",
+)
+def _tp_nvlink(cfg: RunConfig) -> Optional[str]:
+    p = cfg.parallel
+    if not is_gpu(cfg) or p.allow_inter_node_tp or not degrees_ok(cfg) or p.tp == 1:
+        return None
+    domain, world = max(1, cfg.cluster.nvlink_domain), derived.world_size(cfg)
+    if world_ok(cfg):  # the groups megatron-core will build
+        from megatron_recipes.topology.groups import build_group_map
+
+        leaving = [list(g) for g in build_group_map(cfg)["tp"].groups_leaving_domain()]
+    else:  # TP groups are always blocks of tp consecutive ranks (tp is first in the rank order)
+        leaving = [list(range(s, s + p.tp)) for s in range(0, max(world, p.tp), p.tp) if s // domain != (s + p.tp - 1) // domain]
+    if not leaving:
+        return None
+    return (
+        f"parallel.tp={p.tp} puts TP groups such as {fmt_ranks(leaving[0])} across NVLink domains of {domain} GPUs "
+        f"(cluster {cfg.cluster.name}, cluster.nvlink_domain={cfg.cluster.nvlink_domain}); "
+        f"use parallel.tp in {choices(valid_tp_values(cfg))}"
+    )
+
+
+@rule(
+    "sp.needs_tp",
+    ["parallel.sp", "parallel.tp"],
+    "sequence parallelism splits activations over the TP group, so it needs parallel.tp > 1",
+    "set parallel.sp=false, or parallel.tp>1",
+)
+def _sp_needs_tp(cfg: RunConfig) -> Optional[str]:
+    p = cfg.parallel
+    return f"parallel.sp=true with parallel.tp={p.tp}; SP needs tp > 1" if p.sp and p.tp == 1 else None
+
+
+@rule(
+    "sp.sequence_divisible",
+    ["train.seq_length", "parallel.tp", "parallel.cp", "parallel.sp"],
+    "with SP, the per-CP-rank sequence (seq_length / cp) is divisible by parallel.tp",
+    "choose train.seq_length as a multiple of tp * cp (times 2 with CP)",
+)
+def _sp_seq(cfg: RunConfig) -> Optional[str]:
+    p, s = cfg.parallel, cfg.train.seq_length
+    if not p.sp or p.tp < 2 or p.cp < 1 or s % p.cp:
+        return None
+    local = s // p.cp
+    if local % p.tp == 0:
+        return None
+    return f"train.seq_length={s} / parallel.cp={p.cp} = {local} tokens per CP rank is not divisible by parallel.tp={p.tp}"
+
+
+def pipeline_split_problem(cfg: RunConfig) -> Optional[str]:
+    """Why the layers cannot be split over pp x vpp (megatron-core's even/uneven rules), or None."""
+    p, layers = cfg.parallel, cfg.model.num_layers
+    vpp = p.vpp or 1
+    first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
+    if first is None and last is None:
+        if layers % (p.pp * vpp):
+            ok = [d for d in divisors(layers // vpp if layers % vpp == 0 else 0)]
+            return (
+                f"model.num_layers={layers} is not divisible by parallel.pp*vpp = {p.pp}*{vpp} = {p.pp * vpp}; "
+                f"use parallel.pp in {choices(ok)} (with vpp={p.vpp}), or set "
+                "parallel.num_layers_in_first/last_pipeline_stage"
+            )
+        return None
+    if p.pp < 2:
+        return "parallel.num_layers_in_first/last_pipeline_stage need parallel.pp > 1"
+    middle_layers, middle_ranks = layers, p.pp
+    for name, n in (("first", first), ("last", last)):
+        if n is None:
+            continue
+        if n <= 0 or n % vpp:
+            return f"parallel.num_layers_in_{name}_pipeline_stage={n} must be > 0 and divisible by vpp={vpp}"
+        middle_layers -= n
+        middle_ranks -= 1
+    if middle_layers < 0 or bool(middle_layers) != bool(middle_ranks):
+        return f"{middle_layers} layers remain for {middle_ranks} middle stages (num_layers={layers}, pp={p.pp})"
+    if middle_ranks and (middle_layers % middle_ranks or (middle_layers // middle_ranks) % vpp):
+        return (
+            f"the {middle_layers} middle layers do not split evenly over {middle_ranks} middle stages x vpp={vpp}; "
+            f"adjust num_layers_in_first/last_pipeline_stage so that num_layers - first - last is a multiple of "
+            f"{middle_ranks * vpp}"
+        )
+    return None
+
+
+@rule(
+    "pp.layer_split",
+    ["model.num_layers", "parallel.pp", "parallel.vpp", "parallel.num_layers_in_first_pipeline_stage", "parallel.num_layers_in_last_pipeline_stage"],
+    "the layers split over pp x vpp as megatron-core requires (evenly, or with the first/last-stage options)",
+    "choose pp (and vpp) dividing num_layers, or set num_layers_in_first/last_pipeline_stage",
+)
+def _pp_layer_split(cfg: RunConfig) -> Optional[str]:
+    return pipeline_split_problem(cfg) if degrees_ok(cfg) else None
+
+
+@rule(
+    "pp.vpp_value",
+    ["parallel.vpp", "parallel.pp"],
+    "interleaving (parallel.vpp) is null, or >= 2 with parallel.pp > 1",
+    "set parallel.vpp=null, or parallel.pp>1 with parallel.vpp>=2",
+)
+def _vpp_value(cfg: RunConfig) -> Optional[str]:
+    p = cfg.parallel
+    if p.vpp is None or p.vpp < 1:
+        return None
+    if p.pp < 2:
+        return f"parallel.vpp={p.vpp} needs parallel.pp > 1 (got pp={p.pp}); use parallel.vpp=null"
+    if p.vpp < 2:
+        return "parallel.vpp=1 is no interleaving; use parallel.vpp=null or a value >= 2"
+    return None
+
+
+@rule(
+    "pp.interleaved_microbatches",
+    ["parallel.vpp", "parallel.pp", "train.global_batch_size", "train.micro_batch_size"],
+    "the interleaved schedule needs the number of microbatches to be a multiple of parallel.pp",
+    "make global_batch_size / (micro_batch_size * dp) a multiple of pp",
+)
+def _interleaved_mb(cfg: RunConfig) -> Optional[str]:
+    p = cfg.parallel
+    if not p.vpp or p.vpp < 2 or p.pp < 2 or not world_ok(cfg):
+        return None
+    m = derived.num_microbatches(cfg)
+    if m == 0 or m % p.pp == 0:
+        return None
+    step = cfg.train.micro_batch_size * derived.data_parallel_size(cfg) * p.pp
+    return (
+        f"{m} microbatches per step is not a multiple of parallel.pp={p.pp} (interleaved schedule, vpp={p.vpp}); "
+        f"use train.global_batch_size as a multiple of {step}"
+    )
+
+
+@rule(
+    "pp.pipeline_fill",
+    ["parallel.pp", "train.global_batch_size", "train.micro_batch_size"],
+    "a pipeline runs at least pp microbatches per step, or most stages sit idle",
+    "raise train.global_batch_size or lower train.micro_batch_size",
+)
+def _pipeline_fill(cfg: RunConfig) -> Optional[str]:
+    p = cfg.parallel
+    if p.pp < 2 or not world_ok(cfg):
+        return None
+    m = derived.num_microbatches(cfg)
+    if m == 0 or m >= p.pp:
+        return None
+    need = p.pp * cfg.train.micro_batch_size * derived.data_parallel_size(cfg)
+    return f"{m} microbatches per step < parallel.pp={p.pp}; use train.global_batch_size >= {need}"
+
+
+@rule(
+    "cp.sequence_divisible",
+    ["train.seq_length", "parallel.cp"],
+    "with CP, seq_length is divisible by 2 * cp (load-balanced causal chunks)",
+    "choose train.seq_length as a multiple of 2 * parallel.cp",
+)
+def _cp_seq(cfg: RunConfig) -> Optional[str]:
+    p, s = cfg.parallel, cfg.train.seq_length
+    if p.cp < 2 or s % (2 * p.cp) == 0:
+        return None
+    ok = [c for c in divisors(s) if c > 1 and s % (2 * c) == 0][:8]
+    return f"train.seq_length={s} is not divisible by 2*parallel.cp = {2 * p.cp}; use parallel.cp in {choices([1] + ok)}"
+
+
+@rule(
+    "cp.comm_type",
+    ["parallel.cp_comm_type"],
+    "parallel.cp_comm_type is one of megatron-core's CP communication types",
+    f"use one of {', '.join(CP_COMM_TYPES)}",
+)
+def _cp_comm(cfg: RunConfig) -> Optional[str]:
+    return one_of(cfg.parallel.cp_comm_type, CP_COMM_TYPES, "parallel.cp_comm_type")
+
+
+@rule(
+    "cp.a2a_heads",
+    ["parallel.cp_comm_type", "parallel.cp", "parallel.tp", "model.num_attention_heads", "model.num_query_groups"],
+    "all-to-all CP scatters heads, so heads (and query groups) per TP rank are divisible by cp",
+    "use cp_comm_type=p2p, or a cp dividing the heads per TP rank",
+)
+def _cp_a2a(cfg: RunConfig) -> Optional[str]:
+    p, m = cfg.parallel, cfg.model
+    if p.cp < 2 or not p.cp_comm_type.startswith("a2a") or p.tp < 1 or m.num_attention_heads % p.tp:
+        return None
+    heads = m.num_attention_heads // p.tp
+    groups = heads if m.multi_latent_attention else m.num_query_groups // max(1, p.tp)
+    if heads % p.cp == 0 and groups % p.cp == 0:
+        return None
+    return (
+        f"parallel.cp_comm_type={p.cp_comm_type} with parallel.cp={p.cp}: {heads} heads / {groups} query groups per "
+        f"TP rank are not divisible by cp; use parallel.cp in {choices(sorted(set(divisors(heads)) & set(divisors(groups))))} or cp_comm_type=p2p"
+    )
+
+
+@rule(
+    "cp.needs_te_attention",
+    ["parallel.cp", "cluster.gpu_arch"],
+    "context parallelism runs only in Transformer Engine attention, i.e. on a GPU cluster",
+    "set parallel.cp=1 on a CPU cluster",
+)
+def _cp_needs_gpu(cfg: RunConfig) -> Optional[str]:
+    p = cfg.parallel
+    if p.cp > 1 and not is_gpu(cfg):
+        return f"parallel.cp={p.cp} on cluster {cfg.cluster.name} (gpu_arch=cpu): CP needs TE attention on GPUs; use parallel.cp=1"
+    return None
+
+
+@rule(
+    "cluster.nvlink_domain_shape",
+    ["cluster.nvlink_domain", "cluster.gpus_per_node"],
+    "an NVLink domain is made of whole nodes: nvlink_domain is a positive multiple of gpus_per_node",
+    "set cluster.nvlink_domain to gpus_per_node (HGX) or the rack size (NVL72)",
+)
+def _nvlink_shape(cfg: RunConfig) -> Optional[str]:
+    c = cfg.cluster
+    if c.gpus_per_node < 1 or (c.nvlink_domain >= 1 and c.nvlink_domain % c.gpus_per_node == 0):
+        return None
+    return f"cluster.nvlink_domain={c.nvlink_domain} is not a positive multiple of cluster.gpus_per_node={c.gpus_per_node}"
+
+
+LAYOUT_RULES = [
+    _degrees_positive,
+    _world_factorisation,
+    _expert_factorisation,
+    _tp_heads,
+    _tp_query_groups,
+    _tp_ffn,
+    _tp_nvlink,
+    _sp_needs_tp,
+    _sp_seq,
+    _pp_layer_split,
+    _vpp_value,
+    _interleaved_mb,
+    _pipeline_fill,
+    _cp_seq,
+    _cp_comm,
+    _cp_a2a,
+    _cp_needs_gpu,
+    _nvlink_shape,
+]

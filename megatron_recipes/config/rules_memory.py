@@ -1,0 +1,39 @@
+"""The memory rule: the fullest GPU of the layout must fit the cluster's device memory.
+
+The estimate itself lives in ``topology.memory`` (imported lazily: it is the planner's model, and the
+rule only asks for its verdict once the layout is otherwise sound).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_recipes.config.rules_base import batch_ok, layers_ok, model_ok, rule
+from megatron_recipes.config.schema import RunConfig
+
+
+@rule(
+    "memory.fits",
+    ["parallel.*", "train.micro_batch_size", "train.recompute", "cluster.gpu_memory_gb"],
+    "the estimated peak memory of the fullest GPU fits cluster.gpu_memory_gb",
+    "raise parallel.tp/pp (or cp/ep), lower train.micro_batch_size, set train.recompute=selective or full, "
+    "or run `megatron-recipes plan <recipe> --search` for layouts that fit",
+)
+def _fits(cfg: RunConfig) -> Optional[str]:
+    if not (model_ok(cfg) and layers_ok(cfg) and batch_ok(cfg)) or cfg.cluster.gpu_memory_gb <= 0:
+        return None
+    from megatron_recipes.topology.memory import GB, estimate_memory
+
+    est = estimate_memory(cfg)
+    if est.fits:
+        return None
+    w = est.worst
+    return (
+        f"pipeline stage {w.pp_rank} needs about {w.total / GB:.1f} GB per GPU "
+        f"(weights {w.weights / GB:.1f}, grads {w.grads / GB:.1f}, optimizer {w.optimizer / GB:.1f}, "
+        f"activations {w.activations / GB:.1f}) but cluster {cfg.cluster.name} has {cfg.cluster.gpu_memory_gb:g} GB; "
+        f"short by {-est.margin / GB:.1f} GB"
+    )
+
+
+MEMORY_RULES = [_fits]

@@ -1,0 +1,60 @@
+"""`data build-index`: build megatron-core's dataset index caches once, before a multi-node job.
+
+megatron-core builds these caches (document/sample/shuffle indices) on global rank 0 only and lets
+the other ranks read them; on node-local storage the other nodes then fail with FileNotFoundError.
+Building them here, with exactly the recipe's settings (same cache key), in ``data.cache_dir`` on a
+shared filesystem (or on every node's local path) means every rank of the job gets a cache hit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from typing import Iterator, List
+
+from megatron_recipes.config.schema import RunConfig
+
+
+@contextlib.contextmanager
+def single_process_group() -> Iterator[None]:
+    """A one-rank gloo group when none exists (megatron-core's blend builder asks for the rank)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def build_index_caches(cfg: RunConfig) -> List[str]:
+    """Build (or find) every index cache the recipe's job will read; returns lines to print."""
+    from megatron_recipes.data import cache
+    from megatron_recipes.data.pretrain import build_pretrain_datasets, dataset_sizes
+    from megatron_recipes.data.tokenizer import load_tokenizer
+
+    folder = cache.index_cache_dir(cfg.data.cache_dir)
+    before = set(os.listdir(folder)) if folder.is_dir() else set()
+    tokenizer = load_tokenizer(cfg)
+    with single_process_group():
+        datasets = build_pretrain_datasets(cfg, tokenizer)
+    after = set(os.listdir(folder)) if folder.is_dir() else set()
+    lines = [f"index caches in {folder}: {len(after - before)} new file(s), {len(after)} in total"]
+    for name, ds, wanted in zip(("train", "valid", "test"), datasets, dataset_sizes(cfg)):
+        lines.append(f"  {name}: " + ("not built" if ds is None else f"{len(ds):,} samples (job needs {wanted:,})"))
+    lines.append(f"run the job with data.cache_dir={cache.cache_root(cfg.data.cache_dir)}")
+    return lines

@@ -1,0 +1,146 @@
+"""megatron-core indexed datasets (``.bin``/``.idx``): checked before reading, written atomically.
+
+megatron-core reads these files with ``assert`` and raw ``memmap``; a truncated file then fails deep
+inside a data worker, or silently reads garbage. We check the header and every size against the
+``.idx`` first and name the file and the fix. Writers go through megatron-core's
+``IndexedDatasetBuilder`` into temporary names that are renamed into place only when both files are
+complete, so an interrupted run never leaves a pair that looks usable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Type
+
+import numpy as np
+
+from megatron_recipes.config.errors import RecipeError
+
+_HEADER = b"MMIDIDX\x00\x00"
+_FIXED = len(_HEADER) + 8 + 1 + 8 + 8  # header, version, dtype code, sequence count, document count
+_DTYPES = {"uint16": np.uint16, "int32": np.int32, "int64": np.int64}
+
+
+@dataclass(frozen=True)
+class IndexedInfo:
+    """What an indexed dataset holds, as read from its ``.idx``."""
+
+    prefix: str
+    num_sequences: int
+    num_documents: int
+    num_tokens: int
+    dtype: Type[np.number]
+
+
+def _redo(prefix: str) -> str:
+    return f"re-create it with `megatron-recipes data preprocess ... output_prefix={prefix}`, or fix the path"
+
+
+def check_indexed_prefix(prefix: str) -> IndexedInfo:
+    """Validate ``<prefix>.bin``/``<prefix>.idx`` (existence, header, sizes); raise RecipeError if bad."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
+    missing = [str(p) for p in (idx, bin_) if not p.is_file()]
+    if missing:
+        hint = " (give the prefix without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
+        raise RecipeError(f"indexed dataset '{prefix}': missing {', '.join(missing)}{hint}", fix=_redo(prefix))
+    idx_size = idx.stat().st_size
+    try:
+        with open(idx, "rb") as handle:
+            head = handle.read(_FIXED)
+    except OSError as exc:
+        raise RecipeError(f"cannot read {idx}: {exc.strerror}", fix="check the file's permissions") from None
+    if len(head) < _FIXED or head[: len(_HEADER)] != _HEADER:
+        raise RecipeError(f"{idx} is not a megatron-core index file (bad or short header)", fix=_redo(prefix))
+    version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[len(_HEADER) :])
+    if version != 1:
+        raise RecipeError(f"{idx}: unsupported index version {version}", fix=_redo(prefix))
+    try:
+        dtype = DType.dtype_from_code(code)
+    except ValueError:
+        raise RecipeError(f"{idx}: unknown token dtype code {code}", fix=_redo(prefix)) from None
+    expected_idx = _FIXED + 4 * n_seq + 8 * n_seq + 8 * n_doc
+    if idx_size not in (expected_idx, expected_idx + n_seq):  # + one mode byte per sequence if multimodal
+        raise RecipeError(
+            f"{idx} is truncated or corrupt: {idx_size} bytes, its header promises {expected_idx} "
+            f"({n_seq} sequences, {n_doc} document boundaries)",
+            fix=_redo(prefix),
+        )
+    lengths = np.memmap(idx, dtype=np.int32, mode="r", offset=_FIXED, shape=(n_seq,)) if n_seq else np.zeros(0)
+    num_tokens = int(lengths.sum(dtype=np.int64))
+    expected_bin = num_tokens * np.dtype(dtype).itemsize
+    bin_size = bin_.stat().st_size
+    if bin_size != expected_bin:
+        state = "truncated" if bin_size < expected_bin else "longer than its index says"
+        raise RecipeError(
+            f"{bin_} is {state}: {bin_size} bytes, {idx.name} describes {num_tokens} tokens of "
+            f"{np.dtype(dtype).name} = {expected_bin} bytes",
+            fix=_redo(prefix),
+        )
+    if n_doc < 1:
+        raise RecipeError(f"{idx}: no document boundaries", fix=_redo(prefix))
+    return IndexedInfo(prefix, int(n_seq), int(n_doc) - 1, num_tokens, dtype)
+
+
+def open_indexed(prefix: str):
+    """megatron-core's ``IndexedDataset`` for a prefix, after our checks."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    check_indexed_prefix(prefix)
+    return IndexedDataset(prefix, multimodal=False, mmap=True)
+
+
+def token_dtype(vocab_size: int, requested: str = "auto") -> Type[np.number]:
+    """The ``.bin`` token dtype: megatron-core's choice for ``auto``; an error if ids would not fit."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    if requested == "auto":
+        return DType.optimal_dtype(vocab_size)
+    if requested not in _DTYPES:
+        raise RecipeError(f"dtype={requested} is not supported", fix=f"use one of auto, {', '.join(_DTYPES)}")
+    dtype = _DTYPES[requested]
+    if vocab_size - 1 > np.iinfo(dtype).max:
+        raise RecipeError(
+            f"dtype={requested} holds token ids up to {np.iinfo(dtype).max}, but the tokenizer's vocab has "
+            f"{vocab_size} entries",
+            fix="use dtype=auto (or int32)",
+        )
+    return dtype
+
+
+@contextlib.contextmanager
+def atomic_indexed_builder(prefix: str, dtype: Type[np.number]) -> Iterator[object]:
+    """Yield a megatron-core ``IndexedDatasetBuilder`` writing to temporary names; publish on success.
+
+    The old ``.idx`` (if any) is removed before the new ``.bin`` is renamed in, and the new ``.idx``
+    comes last: at no moment does a mismatched or partial pair exist under the final names.
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    out = Path(prefix).parent
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f".tmp-{os.getpid()}"
+    tmp_bin, tmp_idx = prefix + ".bin" + tag, prefix + ".idx" + tag
+    builder: Optional[IndexedDatasetBuilder] = None
+    try:
+        builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
+        yield builder
+        builder.finalize(tmp_idx)
+        for path in (tmp_bin, tmp_idx):
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(prefix + ".idx")
+        os.replace(tmp_bin, prefix + ".bin")
+        os.replace(tmp_idx, prefix + ".idx")
+    finally:
+        if builder is not None and not builder.data_file.closed:
+            builder.data_file.close()
+        for path in (tmp_bin, tmp_idx):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)

@@ -1,0 +1,1 @@
+"""Supervised fine-tuning data: record formats, chat templating with answer-only loss masks, packing."""

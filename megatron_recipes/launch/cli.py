@@ -1,0 +1,56 @@
+"""``megatron-recipes slurm render|submit <recipe> [overrides] [--out FILE] [--wait] [--dry-run] ...``
+
+render: the sbatch script to stdout (or ``--out FILE``); submit: write it under ``<run.dir>/slurm/``
+and ``sbatch`` it. ``--dry-run`` prints the exact sbatch/srun/per-node commands and touches nothing.
+``--probe`` runs a quick all-reduce across every rank instead of training (a cluster smoke test);
+``--skip-path-checks`` skips mount/image existence checks (rendering away from the cluster).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+from megatron_recipes.cli_args import split_args
+from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.launch.dryrun import describe
+from megatron_recipes.launch.plan import build_plan
+from megatron_recipes.launch.script import render_script
+
+USAGE = (
+    "usage: megatron-recipes slurm render <recipe> [key=value ...] [--out FILE] [--dry-run] [--probe] [--skip-path-checks]\n"
+    "       megatron-recipes slurm submit <recipe> [key=value ...] [--wait] [--dry-run] [--probe] [--skip-path-checks]"
+)
+_COMMON = {"dry-run": False, "probe": False, "skip-path-checks": False}
+FLAGS = {"render": {**_COMMON, "out": True}, "submit": {**_COMMON, "wait": False}}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    action, rest = argv[0], argv[1:]
+    if action not in FLAGS:
+        raise RecipeError(f"unknown slurm action '{action}'", fix="use `slurm render` or `slurm submit`")
+    args = split_args(rest, f"megatron-recipes slurm {action}", flags=FLAGS[action])
+    plan = build_plan(args.recipe, args.overrides, probe=bool(args.flags.get("probe")),
+                      check_paths=not args.flags.get("skip-path-checks"))
+    out_path = args.flags.get("out")
+    if args.flags.get("dry-run"):
+        print(describe(plan, str(out_path) if out_path else plan.script_path), end="")
+        return 0
+    if action == "render":
+        text = render_script(plan)
+        if out_path:
+            from megatron_recipes.launch.submit import write_script
+
+            write_script(text, str(out_path))
+            print(f"wrote {out_path}", file=sys.stderr)
+        else:
+            print(text, end="")
+        return 0
+    from megatron_recipes.launch.submit import submit
+
+    result = submit(plan, wait=bool(args.flags.get("wait")))
+    return int(result.exit_code or 0)

@@ -1,0 +1,36 @@
+"""Recipe + overrides -> a validated ``LaunchPlan`` (the one thing render, dry-run and submit share).
+
+``run.dir`` is made absolute here, against the folder the command runs in: the batch job, the
+container's working directory and a requeued restart must all write to the same place.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from megatron_recipes.config.compose import compose_recipe
+from megatron_recipes.launch import checks, container
+from megatron_recipes.launch.commands import PROBE_MODULE, TRAIN_MODULE, LaunchPlan, default_python
+
+
+def build_plan(
+    recipe: str,
+    overrides: Sequence[str] = (),
+    *,
+    probe: bool = False,
+    check_paths: bool = True,
+) -> LaunchPlan:
+    """Compose, resolve paths, validate (recipe rules + launch rules); raises ValidationError/RecipeError."""
+    cfg = compose_recipe(recipe, overrides)
+    cfg.run.dir = os.path.abspath(os.path.expanduser(cfg.run.dir))
+    checks.validate_for_launch(cfg, recipe=recipe, check_paths=check_paths)
+    mounts = container.parse_mounts(cfg.cluster.container_mounts) if cfg.cluster.container_image else []
+    return LaunchPlan(
+        cfg=cfg,
+        recipe=recipe,
+        overrides=tuple(overrides),
+        module=PROBE_MODULE if probe else TRAIN_MODULE,
+        python=default_python(cfg),
+        mounts=mounts,
+    )

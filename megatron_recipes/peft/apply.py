@@ -1,0 +1,180 @@
+"""``apply_peft``: freeze the base and attach the recipe's adapters, before megatron-core's DDP wrap.
+
+The trainer calls it once, after building the model chunks and loading ``checkpoint.pretrained``.
+megatron-core's DDP and ``get_megatron_optimizer`` skip parameters with ``requires_grad=False``, so
+after this only adapter parameters get gradient buffers and optimizer state.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import List
+
+import torch
+
+from megatron_recipes.config.errors import RecipeError, ValidationError
+from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.peft import methods
+from megatron_recipes.peft.counts import ParamTotals, count_parameters
+from megatron_recipes.peft.layout import layout_of
+from megatron_recipes.peft.lora import LoRALinear
+from megatron_recipes.peft.prefix import PrefixCoreAttention, PrefixKV
+from megatron_recipes.peft.targets import attention_modules, find_targets, present_kinds
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PeftSummary:
+    method: str
+    trainable: int  # whole model, every rank's unique parameters
+    total: int
+    adapted: List[str] = field(default_factory=list)  # canonical names of adapted modules on this rank
+    base_bytes_bf16: int = 0  # targeted base weights as bf16 (whole model), QLoRA only
+    base_bytes_stored: int = 0  # the same weights as stored now (NF4 + scales), QLoRA only
+
+    @property
+    def trainable_percent(self) -> float:
+        return 100.0 * self.trainable / self.total if self.total else 0.0
+
+    @property
+    def memory_reduction(self) -> float:
+        return self.base_bytes_bf16 / self.base_bytes_stored if self.base_bytes_stored else 1.0
+
+    def lines(self) -> List[str]:
+        """The start-of-run report, worded as HF PEFT's ``print_trainable_parameters``."""
+        out = [f"trainable params: {self.trainable:,} || all params: {self.total:,} || trainable%: {self.trainable_percent:.4f}"]
+        if self.base_bytes_stored:
+            mib = 1024**2
+            out.append(
+                f"base linear weights: {self.base_bytes_bf16 / mib:,.2f} MiB as bf16 -> {self.base_bytes_stored / mib:,.2f} MiB "
+                f"as NF4 with double-quantised scales ({self.memory_reduction:.2f}x smaller)"
+            )
+        return out
+
+
+def _check_not_applied(chunks: List[torch.nn.Module]) -> None:
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, (LoRALinear, PrefixCoreAttention)):
+                raise RecipeError("apply_peft was called twice on the same model", fix="call it once, after loading the base")
+
+
+def _check_static(cfg: RunConfig) -> None:
+    from megatron_recipes.config.rules_peft import PEFT_RULES
+    from megatron_recipes.config.validate import validate
+
+    violations = validate(cfg, rules=PEFT_RULES)
+    if violations:
+        raise ValidationError(violations, recipe=cfg.run.name)
+
+
+def _check_targets(chunks: List[torch.nn.Module], cfg: RunConfig, found) -> None:
+    """Names the model does not have, and ranks larger than a targeted layer, fail before any change."""
+    present = present_kinds(chunks)
+    missing = [name for name, targets in found.items() if not targets]
+    if missing:  # a name may legitimately be absent on this pipeline stage only if the model has it
+        local_layers = any(True for chunk in chunks for _ in attention_modules(chunk))
+        if local_layers:
+            raise RecipeError(
+                f"peft.target_modules names {missing}, which this model does not have",
+                fix=f"use some of {present} (expert_fc1/expert_fc2 exist only in MoE models)",
+            )
+    for name, targets in found.items():
+        for target in targets[:1]:
+            lay = layout_of(target.module)
+            limit = min(lay.in_full, lay.out_full)
+            if cfg.peft.rank > limit:
+                raise RecipeError(
+                    f"peft.rank={cfg.peft.rank} is larger than {name} ({target.canonical}: "
+                    f"{lay.in_full} -> {lay.out_full} features)",
+                    fix=f"use peft.rank <= {limit}, or drop {name} from peft.target_modules",
+                )
+
+
+def _wrap_linears(chunks: List[torch.nn.Module], cfg: RunConfig, method: methods.Method) -> List[str]:
+    p = cfg.peft
+    found = find_targets(chunks, list(p.target_modules))
+    _check_targets(chunks, cfg, found)
+    if method.quantize:
+        from megatron_recipes.peft.quantize import check_quantizable
+
+        for targets in found.values():
+            for t in targets:
+                check_quantizable(t, p)
+    adapted = []
+    gated = bool(chunks[0].config.gated_linear_unit)
+    for targets in found.values():
+        for t in targets:
+            base = t.module
+            if method.quantize:
+                from megatron_recipes.peft.quantize import quantize_module
+
+                base = quantize_module(base, p)
+            wrapped = LoRALinear(
+                base,
+                name=t.canonical,
+                rank=p.rank,
+                alpha=p.alpha,
+                dropout=p.dropout,
+                dora=method.dora,
+                seed=cfg.seed,
+                gated_fc1=gated and t.kind in ("linear_fc1", "expert_fc1"),
+            )
+            setattr(t.parent, t.attr, wrapped)
+            adapted.append(t.canonical)
+    return adapted
+
+
+def _add_prefixes(chunks: List[torch.nn.Module], cfg: RunConfig) -> List[str]:
+    from megatron.core import parallel_state
+
+    p = cfg.peft
+    adapted = []
+    for chunk in chunks:
+        for name, attention in list(attention_modules(chunk)):
+            device = attention.linear_qkv.weight.device if getattr(attention.linear_qkv, "weight", None) is not None else torch.device("cpu")
+            prefix = PrefixKV(
+                chunk.config,
+                name,
+                p.prefix_length,
+                p.prefix_projection,
+                p.prefix_projection_hidden,
+                cfg.seed,
+                parallel_state.get_tensor_model_parallel_group(),
+                device,
+            )
+            attention.core_attention = PrefixCoreAttention(attention.core_attention, prefix)
+            adapted.append(f"{name}.core_attention")
+    return adapted
+
+
+def apply_peft(model_chunks: List[torch.nn.Module], cfg: RunConfig, report: bool = True) -> PeftSummary:
+    """Freeze the base, attach adapters per ``cfg.peft``, print the parameter counts (rank 0)."""
+    method = methods.parse(cfg.peft.method)
+    if method.none:
+        totals = count_parameters(model_chunks)
+        summary = PeftSummary("none", totals.trainable, totals.total)
+    else:
+        _check_static(cfg)
+        _check_not_applied(model_chunks)
+        for chunk in model_chunks:
+            for param in chunk.parameters():
+                param.requires_grad_(False)
+        before = ParamTotals.targeted_bf16_bytes(model_chunks, cfg) if method.quantize else 0
+        adapted = _add_prefixes(model_chunks, cfg) if method.prefix else _wrap_linears(model_chunks, cfg, method)
+        totals = count_parameters(model_chunks)
+        summary = PeftSummary(
+            cfg.peft.method,
+            totals.trainable,
+            totals.total,
+            adapted,
+            base_bytes_bf16=before,
+            base_bytes_stored=totals.quantized_bytes if method.quantize else 0,
+        )
+    if report and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        for line in summary.lines():
+            print(line, flush=True)
+            log.info(line)
+    return summary

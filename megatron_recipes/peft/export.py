@@ -1,0 +1,372 @@
+"""Export a PEFT run: merged HF weights, or an HF PEFT LoRA adapter directory.
+
+A PEFT checkpoint holds adapters only, so both exports rebuild the model the run trained: the base from
+the run's ``checkpoint.pretrained`` (QLoRA: quantised again, deterministically), the adapters from the
+checkpoint, on one process at TP=PP=1 (megatron-core's dist-checkpointing reshards whatever layout the
+run used). Then:
+
+* merged: adapters folded into the base (``peft.merge``), written as a weights-only checkpoint to a
+  private temporary folder and handed to the conversion engine's HF export (name tables, QKV/gated
+  splits, config and tokenizer files); the temporary checkpoint is removed afterwards;
+* adapter only: ``adapter_config.json`` + ``adapter_model.safetensors`` with HF PEFT's key names on the
+  HF model. Fused adapters are split with the family's own transforms: the fused QKV ``B`` (rows in
+  megatron's per-query-group order) into q/k/v ``lora_B``, gated FC1's ``B`` into gate/up, each with the
+  shared ``A`` as its ``lora_A``; DoRA magnitudes split like ``B``.
+
+Memory: one copy of the model in this process (like training it at TP=1), plus one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.config.schema import ParallelConfig, PeftConfig, RunConfig
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class PeftExportReport:
+    out_dir: Path
+    kind: str  # "adapter" | "merged"
+    tensors: int
+    target_modules: List[str]
+
+    def summary(self) -> str:
+        what = "HF PEFT LoRA adapter" if self.kind == "adapter" else "merged HF model"
+        return f"wrote a {what} to {self.out_dir} ({self.tensors} tensors; modules: {', '.join(self.target_modules)})"
+
+
+def run_config_of(ckpt: Path) -> Tuple[Path, RunConfig, dict]:
+    from megatron_recipes.config.compose import from_yaml
+    from megatron_recipes.training import checkpoint_store as store
+
+    resolved = store.resolve_dir(Path(ckpt))
+    return resolved, from_yaml(resolved / store.CONFIG), store.read_meta(resolved)
+
+
+def is_peft_checkpoint(ckpt: Path) -> bool:
+    from megatron_recipes.peft.state import peft_active
+
+    _, cfg, _ = run_config_of(ckpt)
+    return peft_active(cfg)
+
+
+def _single_rank(cfg: RunConfig) -> RunConfig:
+    """One rank, TP=PP=1; float32 for models small enough to verify (exact merge and logits check)."""
+    from megatron_recipes.convert.layout import with_parallel
+    from megatron_recipes.convert.verify import SMALL_MODEL_PARAMS
+    from megatron_recipes.topology.params import model_params
+
+    single = with_parallel(cfg, ParallelConfig(), world=1)
+    if model_params(single).total <= SMALL_MODEL_PARAMS:
+        precision = dataclasses.replace(single.precision, name="fp32", params_dtype="fp32", fp8=None, fp4=None)
+        single = dataclasses.replace(single, precision=precision)
+    return single
+
+
+def load_trained(ckpt: Path):
+    """``(cfg, chunks, meta)``: the run's model on this one process, base + adapters, ready to use."""
+    from megatron_recipes.models.builder import build_model_chunks
+    from megatron_recipes.peft.state import peft_active, prepare_for_training
+    from megatron_recipes.runtime.distributed import init_model_parallel
+    from megatron_recipes.training import checkpoint
+
+    resolved, run_cfg, meta = run_config_of(ckpt)
+    if not peft_active(run_cfg):
+        raise RecipeError(
+            f"checkpoint '{resolved}' is not from a PEFT run (its config.yaml has peft.method={run_cfg.peft.method})",
+            fix="export it with `megatron-recipes convert export` without adapter_only",
+        )
+    cfg = _single_rank(run_cfg)
+    init_model_parallel(cfg)
+    chunks = build_model_chunks(cfg)
+    prepare_for_training(cfg, chunks)
+    checkpoint.load_checkpoint(resolved, chunks, None, None, cfg=cfg)
+    for chunk in chunks:
+        chunk.eval()
+    return cfg, chunks, meta
+
+
+def _family_key(path: str) -> Tuple[str, int]:
+    """Module path -> (the conversion table's canonical weight key, local layer index)."""
+    match = _LAYER.match(path)
+    if not match or ".experts.local_experts." in path:
+        raise RecipeError(
+            f"adapter on {path} has no HF PEFT equivalent (HF PEFT adapts per-projection linears of the layers)",
+            fix="export the merged model instead (drop adapter_only=true), or leave expert linears out of peft.target_modules",
+        )
+    return f"decoder.layers.{match.group(2)}.weight", int(match.group(1))
+
+
+def adapter_tensors(cfg: RunConfig, chunk: torch.nn.Module, flags: Dict, dtype: Optional[torch.dtype]):
+    """HF PEFT state dict (name -> tensor) and the HF module leaf names adapted, from a TP=1 chunk."""
+    from megatron_recipes.convert import family as families
+    from megatron_recipes.convert.transforms import Ctx
+    from megatron_recipes.peft.lora import LoRALinear
+
+    family = families.by_name(cfg.model.family)
+    tensors: Dict[str, torch.Tensor] = {}
+    leaves = set()
+    for path, module in chunk.named_modules():
+        if not isinstance(module, LoRALinear):
+            continue
+        key, local = _family_key(path)
+        layer = int(chunk.decoder.layers[local].layer_number) - 1
+        ctx = Ctx(cfg.model, layer, None, flags)
+        transform = family.transform(key)
+        a = module.lora_a.detach()
+        parts = {"lora_B.weight": module.lora_b.detach()}
+        if module.dora:
+            parts["lora_magnitude_vector"] = module.magnitude.detach()
+        split = {suffix: transform.pieces(t, ctx) for suffix, t in parts.items()}
+        for hf_name in split["lora_B.weight"]:
+            if not hf_name.endswith(".weight"):
+                raise RecipeError(f"conversion table maps {key} to {hf_name}, not a linear weight", fix="report this mapping")
+            module_name = hf_name[: -len(".weight")]
+            leaves.add(module_name.rsplit(".", 1)[-1])
+            tensors[f"{PEFT_PREFIX}{module_name}.lora_A.weight"] = a
+            for suffix, pieces in split.items():
+                tensors[f"{PEFT_PREFIX}{module_name}.{suffix}"] = torch.cat(list(pieces[hf_name]), dim=0)
+    out = {}
+    for name, t in tensors.items():
+        t = t.to(dtype) if dtype is not None else t
+        out[name] = t.contiguous().clone()
+    return out, sorted(leaves)
+
+
+def adapter_config(p: PeftConfig, targets: List[str], base: Optional[str], dora: bool) -> Dict:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": p.rank,
+        "lora_alpha": p.alpha,
+        "lora_dropout": p.dropout,
+        "target_modules": targets,
+        "bias": "none",
+        "use_dora": dora,
+        "use_rslora": False,
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+
+
+def _looks_like_adapter(path: Path) -> bool:
+    return (path / ADAPTER_CONFIG).is_file()
+
+
+def _hf_flags(cfg: RunConfig, resolved: Path, hf_assets: Optional[Path]) -> Tuple[Dict, Optional[Path]]:
+    from megatron_recipes.convert import family as families
+    from megatron_recipes.convert.exporter import find_assets, hf_config_for
+
+    family = families.by_name(cfg.model.family)
+    assets = find_assets(resolved, cfg, hf_assets)
+    hf_config = hf_config_for(cfg, family, assets, torch.float32)
+    return dict(family.flags_from_hf(hf_config)), assets
+
+
+def export_adapter(
+    ckpt: Path, out_dir: Path, overwrite: bool = False, hf_assets: Optional[Path] = None, dtype: Optional[str] = None
+) -> PeftExportReport:
+    """An HF PEFT LoRA/DoRA adapter directory for the HF export of the run's base model."""
+    from safetensors.torch import save_file
+
+    from megatron_recipes.convert import staging
+    from megatron_recipes.peft import methods
+    from megatron_recipes.runtime.distributed import shutdown
+
+    out_dir = Path(out_dir).expanduser()
+    staging.check_target(out_dir, overwrite, _looks_like_adapter, "adapter folder")
+    resolved, run_cfg, _ = run_config_of(ckpt)
+    method = methods.parse(run_cfg.peft.method) if not methods.why_not(run_cfg.peft.method) else None
+    if method is not None and method.prefix:
+        raise RecipeError(
+            "P-Tuning v2 prefixes have no HF PEFT LoRA form", fix="adapter_only export covers lora, dora and qlora runs"
+        )
+    flags, assets = _hf_flags(run_cfg, resolved, hf_assets)
+    try:
+        cfg, chunks, _ = load_trained(resolved)
+        if len(chunks) != 1:
+            raise RecipeError("adapter export expects one model chunk", fix="this is a bug: report it")
+        tensors, leaves = adapter_tensors(cfg, chunks[0], flags, _DTYPES.get(dtype) if dtype else None)
+    finally:
+        shutdown()
+    base = str(assets) if assets is not None else run_cfg.checkpoint.pretrained
+    config = adapter_config(cfg.peft, leaves, base, methods.parse(cfg.peft.method).dora)
+    with staging.atomic_dir(out_dir) as tmp:
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return PeftExportReport(out_dir, "adapter", len(tensors), leaves)
+
+
+def export_merged(
+    ckpt: Path,
+    hf_dir: Path,
+    overwrite: bool = False,
+    hf_assets: Optional[Path] = None,
+    dtype: Optional[str] = None,
+    max_shard_bytes: Optional[int] = None,
+    progress: bool = True,
+):
+    """Merged HF weights through the conversion engine's export; returns its ``ExportReport``."""
+    from megatron_recipes.convert.exporter import DEFAULT_MAX_SHARD, run_export
+    from megatron_recipes.peft.merge import merge_and_unload
+    from megatron_recipes.runtime.distributed import shutdown
+    from megatron_recipes.training import checkpoint
+
+    from megatron_recipes.convert import staging
+    from megatron_recipes.convert.safetensors_io import INDEX_NAME
+
+    hf_dir = Path(hf_dir).expanduser()
+    staging.check_target(hf_dir, overwrite, lambda p: (p / INDEX_NAME).exists() or (p / "config.json").exists(), "hf_dir")
+    resolved, run_cfg, meta = run_config_of(ckpt)
+    if hf_assets is None:
+        _, hf_assets = _hf_flags(run_cfg, resolved, None)
+    work = Path(tempfile.mkdtemp(prefix=".merged-", dir=str(hf_dir.parent if hf_dir.parent.exists() else Path.cwd())))
+    try:
+        try:
+            cfg, chunks, meta = load_trained(resolved)
+            merge_and_unload(chunks)
+            plain = dataclasses.replace(cfg, peft=PeftConfig())
+            step = int(meta.get("step") or 0)
+            checkpoint.save_checkpoint(work, step, chunks, None, None, {"step": step}, plain, keep_last=0)
+        finally:
+            shutdown()
+        return run_export(
+            work,
+            hf_dir,
+            overwrite=overwrite,
+            hf_assets=hf_assets,
+            dtype=dtype,
+            max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD,
+            progress=progress,
+        )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# --- the command (``megatron-recipes convert export ... adapter_only=true``, or any PEFT checkpoint) ---
+
+
+def our_logits(cfg: RunConfig, chunks, tokens: torch.Tensor) -> torch.Tensor:
+    from megatron_recipes.convert.verify import forward_logits
+
+    return forward_logits(cfg, chunks, tokens)
+
+
+def _verify_against(reference: torch.Tensor, ours: torch.Tensor, label: str, exact: bool) -> None:
+    """Fails beyond the float32 tolerance when the comparison is exact; otherwise only reports.
+
+    Not exact: bf16 models, and a QLoRA adapter on the dense HF base (training saw the NF4 base, so the
+    difference is the quantisation error; a merged QLoRA export folds the dequantised base in and is exact)."""
+    from megatron_recipes.convert.verify import TOLERANCE, compare, table
+
+    metrics = compare(reference, ours)
+    print(table([(label, metrics)], TOLERANCE if exact else float("inf")), flush=True)
+    if not exact:
+        print("note: reported, not checked (not a float32 like-for-like comparison)", flush=True)
+    elif not metrics.ok(TOLERANCE):
+        raise RecipeError(
+            f"{label}: logits differ by up to {metrics.max_abs:.3e} (tolerance {TOLERANCE:g})",
+            fix="the export is wrong for this model; do not use it (please report it with the table)",
+        )
+
+
+def cli_export(opts: Dict[str, str], flags: Dict[str, object], adapter_only: bool, max_shard_bytes: Optional[int]) -> int:
+    """Export a PEFT checkpoint; with verification, compare HF logits with the trained model's."""
+    from megatron_recipes.convert.verify import hf_logits, prompt_tokens
+
+    ckpt, out = Path(opts["ckpt_dir"]), Path(opts["hf_dir"])
+    assets = Path(opts["hf_assets"]) if opts.get("hf_assets") else None
+    dtype = opts.get("dtype") or None
+    verify = _should_verify(ckpt, flags)
+    reference = None
+    if verify:  # the trained model's own logits, before anything is merged or split
+        from megatron_recipes.runtime.distributed import shutdown
+
+        try:
+            cfg, chunks, _ = load_trained(ckpt)
+            tokens = prompt_tokens(cfg.model.vocab_size)
+            reference = our_logits(cfg, chunks, tokens)
+            fp32 = cfg.precision.params_dtype == "fp32"
+        finally:
+            shutdown()
+    if adapter_only:
+        report = export_adapter(ckpt, out, overwrite=bool(flags.get("overwrite")), hf_assets=assets, dtype=dtype)
+        print(report.summary())
+        if reference is not None:
+            exact = fp32 and not methods_of(cfg).quantize
+            _verify_against(peft_logits(ckpt, out, tokens, assets), reference, "HF base + PEFT adapter vs trained model", exact)
+        return 0
+    report = export_merged(ckpt, out, bool(flags.get("overwrite")), assets, dtype, max_shard_bytes, not flags.get("quiet"))
+    print(report.summary())
+    if reference is not None:
+        _verify_against(hf_logits(out, tokens), reference, "merged HF model vs trained model", fp32)
+    return 0
+
+
+def methods_of(cfg: RunConfig):
+    from megatron_recipes.peft import methods
+
+    return methods.parse(cfg.peft.method)
+
+
+def peft_logits(ckpt: Path, adapter_dir: Path, tokens: torch.Tensor, assets: Optional[Path]) -> torch.Tensor:
+    """Logits of the HF base (exported from the run's pretrained checkpoint) with the adapter loaded by peft."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise RecipeError("checking an adapter export needs the peft package", fix="pip install peft, or pass --no-verify") from None
+    from megatron_recipes.convert.exporter import run_export
+
+    _, run_cfg, _ = run_config_of(ckpt)
+    with tempfile.TemporaryDirectory(prefix=".peft-base-", dir=str(Path(adapter_dir).parent)) as tmp:
+        base_dir = Path(tmp) / "base"
+        run_export(Path(run_cfg.checkpoint.pretrained), base_dir, hf_assets=assets, dtype="fp32", progress=False)
+        base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32, attn_implementation="eager")
+        model = PeftModel.from_pretrained(base, str(adapter_dir))
+        model.eval()
+        with torch.no_grad():
+            return model(tokens).logits.float()
+
+
+def _should_verify(ckpt: Path, flags: Dict[str, object]) -> bool:
+    """As the conversion engine decides: on request, else for models up to its small-model size."""
+    from megatron_recipes.convert.verify import SMALL_MODEL_PARAMS
+    from megatron_recipes.topology.params import model_params
+
+    if flags.get("verify") and flags.get("no-verify"):
+        raise RecipeError("--verify and --no-verify contradict each other", fix="pass one of them")
+    if flags.get("verify") or flags.get("no-verify"):
+        return bool(flags.get("verify"))
+    _, cfg, _ = run_config_of(ckpt)
+    return model_params(_single_rank(cfg)).total <= SMALL_MODEL_PARAMS
+
+
+def parse_adapter_only(value: str) -> bool:
+    lowered = str(value).strip().lower()
+    if lowered not in ("true", "false", "1", "0", "yes", "no", ""):
+        raise RecipeError(f"adapter_only={value!r} is not a boolean", fix="use adapter_only=true or adapter_only=false")
+    return lowered in ("true", "1", "yes")

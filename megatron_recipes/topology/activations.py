@@ -1,0 +1,249 @@
+"""Bytes autograd keeps for backward, per microbatch, layer by layer (the activation memory).
+
+Two kernel sets are modelled, because they save different tensors:
+
+* ``local`` - megatron-core's local layer spec as the project builds it (``models/local_spec.py``), what
+  the CPU lane runs: composite RMSNorm (saves its input and normalised output), SDPA core attention
+  (saves Q, K and V expanded to all heads, its output and log-sum-exp; with a sliding window megatron-core's
+  unfused path also keeps the ``b x heads x s x s`` softmax), unfused SwiGLU (saves FC1's output, SiLU's
+  output and the linear half).
+  Tests hold this model to within 10% of what ``saved_tensors_hooks`` sees on built models.
+* ``te`` - the Transformer Engine spec on GPUs: fused LayerNorm+Linear (input and normalised output),
+  flash attention (Q, K, V and output; no ``s x s`` term), fused SwiGLU (FC1 output only). This is the
+  same accounting with TE's kernels; it is not measurable on CPU.
+
+Per token on one rank, with ``a``/``g`` heads/query groups per TP rank, ``d`` head dim, ``hs`` the
+hidden size divided by TP under sequence parallelism, and ``f`` the FFN width per TP rank:
+
+    local attention  = 3 hs + 4 a d (+ (a + 2g) d when V is not expanded) + a (lse) [a s softmax: window]
+    te attention     = 2 hs + (a + g) d + (a + 2g) d + a d          (q, k, QKV storage, output)
+    local dense MLP  = 3 hs + 5 f (gated) | 3 hs + 2 f
+    te dense MLP     = 2 hs + 3 f (gated) | 2 hs + 2 f
+    MoE layer        = norm + router (E scores) + k * etp * (h + 6 f_e | 2 h + 3 f_e) per routed token
+
+Recompute: ``selective`` keeps core attention's inputs instead of its internals; ``full`` keeps only each
+checkpointed group's input (the group's activations are rebuilt, and live, one group at a time).
+Dropout is off in our recipes, so no masks are counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+from megatron_recipes.config import derived
+from megatron_recipes.config.schema import RunConfig
+
+FP32 = 4
+INT64 = 8
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def kernel_set(cfg: RunConfig) -> str:
+    """``local`` on the CPU lane, ``te`` on GPU clusters (see the module docstring)."""
+    return "local" if cfg.cluster.gpu_arch == "cpu" else "te"
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Sizes one rank sees for one microbatch."""
+
+    batch: int  # micro batch size
+    seq: int  # sequence per CP rank
+    sp: int  # divisor of tokens in the sequence-parallel region (tp with SP, else 1)
+    tp: int
+    heads: int  # per TP rank
+    groups: int  # per TP rank
+    head_dim: int
+    hidden: int
+    act: int  # bytes per activation element
+    kernels: str
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+def dims_of(cfg: RunConfig) -> Dims:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tp = max(1, p.tp)
+    groups = m.num_attention_heads if m.multi_latent_attention else m.num_query_groups
+    return Dims(
+        batch=t.micro_batch_size,
+        seq=t.seq_length // max(1, p.cp),
+        sp=tp if p.sp else 1,
+        tp=tp,
+        heads=m.num_attention_heads // tp,
+        groups=max(1, groups // tp),
+        head_dim=derived.head_dim(m),
+        hidden=m.hidden_size,
+        act=_DTYPE_BYTES.get(cfg.precision.params_dtype, 2),
+        kernels=kernel_set(cfg),
+    )
+
+
+def local_sdpa(cfg: RunConfig) -> bool:
+    """The project's local spec computes core attention with torch SDPA, except for sliding windows
+    (megatron-core's unfused path, which materialises the scores)."""
+    return not cfg.model.sliding_window
+
+
+def norm_bytes(cfg: RunConfig, x: Dims) -> float:
+    """Per token: a pre-norm plus the input the following linear keeps.
+
+    Local: composite RMSNorm keeps its input, the normalised copy and rstd; the linear keeps the scaled
+    output (LayerNorm is one fused op keeping input + mean/rstd). TE: the fused LayerNorm+Linear keeps
+    the input and the normalised output.
+    """
+    hs = x.hidden / x.sp
+    if x.kernels == "te":
+        return 2 * hs * x.act + FP32 / x.sp
+    if cfg.model.normalization == "LayerNorm":
+        return 2 * hs * x.act + 2 * FP32 / x.sp
+    return 3 * hs * x.act + FP32 / x.sp
+
+
+def attention_bytes(cfg: RunConfig, x: Dims, recompute: str) -> float:
+    """One self-attention block (its pre-norm included), one microbatch."""
+    m, a, g, d, hs = cfg.model, x.heads, x.groups, x.head_dim, x.hidden / x.sp
+    T = x.tokens
+    total = T * norm_bytes(cfg, x)  # pre-norm + QKV linear input (saved sharded under SP)
+    if m.multi_latent_attention:
+        return total + T * _mla_bytes(cfg, x)
+    qkv_storage = (a + 2 * g) * d
+    if x.kernels == "te":
+        # flash attention keeps rope'd q and k, v (a view: the whole QKV output stays alive) and its
+        # output, which linear_proj keeps too; q/k norms keep their normalised outputs
+        per_token = (a + g) * d + qkv_storage + a * d
+        if m.qk_layernorm:
+            per_token += (a + g) * d + (a * d if a > g else 0)
+        return total + T * (per_token * x.act + a * FP32)  # + softmax log-sum-exp
+    # local spec: rope'd q; k and v expanded to all heads under GQA (v is a view of QKV under MHA)
+    keeps_qkv = m.qk_layernorm or a == g
+    per_token = a * d + a * d  # q, output (= linear_proj input)
+    scores = 0.0
+    if recompute == "selective":
+        per_token += g * d  # checkpoint keeps rope'd k and the QKV storage (v's base)
+        keeps_qkv = True
+    else:
+        per_token += a * d if a > g else 0  # expanded v
+        per_token += a * d  # k (expanded, or rope'd under MHA)
+        if local_sdpa(cfg):
+            scores = T * a * FP32  # SDPA keeps the log-sum-exp, not the scores
+        else:
+            scores = x.batch * a * x.seq * x.seq * x.act + x.seq * x.seq  # softmax output + causal mask
+    if keeps_qkv:
+        per_token += qkv_storage
+    norm_stats = 0.0
+    if m.qk_layernorm:
+        # normalised q and k; the q norm's input is a copy under GQA (reshaped out of the fused QKV)
+        per_token += (a + g) * d + (a * d if a > g else 0)
+        norm_stats = (a + g) * FP32  # their rstd, one per head
+    rope = 4 * x.seq * d * x.act if m.position_embedding_type == "rope" else 0
+    return total + T * (per_token * x.act + norm_stats) + scores + rope
+
+
+def _mla_bytes(cfg: RunConfig, x: Dims) -> float:
+    """MLA after its input norm (te accounting): latents, their norms, up-projected q/k/v, output."""
+    m, a = cfg.model, x.heads
+    q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
+    per = 0.0
+    if m.q_lora_rank:
+        per += 3 * m.q_lora_rank  # down-proj output, normalised latent, up-proj input
+    per += 3 * (m.kv_lora_rank + m.qk_pos_emb_head_dim)
+    per += a * q_head * 2 + a * (m.qk_head_dim + m.v_head_dim) + a * q_head  # q, kv up-proj, k with rope
+    per += a * m.v_head_dim  # attention output = linear_proj input
+    return per * x.act
+
+
+def mlp_bytes(cfg: RunConfig, x: Dims, ffn: int, with_norm: bool = True) -> float:
+    """A (gated) MLP with FFN width ``ffn`` split over TP, with or without its pre-norm."""
+    f = ffn / x.tp
+    gated = cfg.model.activation == "swiglu"
+    if x.kernels == "te":
+        inner = 3 * f if gated else 2 * f  # fused SwiGLU keeps FC1's output; FC2 keeps its input
+    else:
+        inner = 5 * f if gated else 2 * f  # + SiLU output and the linear half (x + offset)
+    total = x.tokens * inner * x.act
+    return total + (x.tokens * norm_bytes(cfg, x) if with_norm else 0.0)
+
+
+def moe_bytes(cfg: RunConfig, x: Dims) -> float:
+    """An MoE block: pre-norm (its output feeds router, experts and shared experts), router, experts."""
+    m = cfg.model
+    etp = derived.expert_tensor_parallel_size(cfg)
+    experts, k = m.num_moe_experts, m.moe_router_topk
+    local_tokens = x.tokens / x.sp  # tokens this rank routes (SP shards them over TP)
+    total = x.tokens * norm_bytes(cfg, x)
+    total += local_tokens * (experts * (FP32 + 1) + k * (FP32 + 2 * INT64))  # scores, mask, top-k
+    routed = local_tokens * k * etp  # tokens this rank's experts process, on average
+    f_e = (m.moe_ffn_hidden_size or m.ffn_hidden_size) / etp
+    # local: permuted input, FC1 output, SiLU, linear half, prob-weighted product; te: grouped GEMMs
+    per_routed = x.hidden + 6 * f_e if x.kernels == "local" else 2 * x.hidden + 3 * f_e
+    total += routed * per_routed * x.act
+    if m.moe_shared_expert_intermediate_size:
+        total += mlp_bytes(cfg, x, m.moe_shared_expert_intermediate_size, with_norm=False)
+    return total
+
+
+def layer_bytes(cfg: RunConfig, layer: int, recompute: str | None = None) -> float:
+    """Activations one transformer layer saves for one microbatch (no full recompute)."""
+    return kind_bytes(cfg, derived.is_moe_layer(cfg.model, layer), recompute)
+
+
+def kind_bytes(cfg: RunConfig, moe: bool, recompute: str | None = None) -> float:
+    x = dims_of(cfg)
+    rc = cfg.train.recompute if recompute is None else recompute
+    attn = attention_bytes(cfg, x, "selective" if rc == "selective" else "none")
+    return attn + (moe_bytes(cfg, x) if moe else mlp_bytes(cfg, x, cfg.model.ffn_hidden_size))
+
+
+def layers_bytes(cfg: RunConfig, layers: List[int], recompute: str | None = None) -> float:
+    """Sum of ``layer_bytes`` over ``layers``, one evaluation per layer kind."""
+    n_moe = sum(derived.is_moe_layer(cfg.model, i) for i in layers)
+    total = (len(layers) - n_moe) * kind_bytes(cfg, False, recompute) if len(layers) > n_moe else 0.0
+    return total + (n_moe * kind_bytes(cfg, True, recompute) if n_moe else 0.0)
+
+
+def embedding_bytes(cfg: RunConfig) -> float:
+    x = dims_of(cfg)
+    return x.tokens * INT64  # token ids kept by the embedding lookup
+
+
+def head_bytes(cfg: RunConfig) -> float:
+    """Final norm, output layer input, fp32 softmax of the vocab shard, labels and loss mask."""
+    x = dims_of(cfg)
+    vocab = derived.padded_vocab_size(cfg.model, x.tp) / x.tp
+    norm = x.tokens * norm_bytes(cfg, x)
+    return norm + x.tokens * (x.hidden / x.sp * x.act + vocab * FP32 + INT64 + 1)
+
+
+def checkpoint_groups(cfg: RunConfig, chunk_layers: int) -> tuple[int, int]:
+    """Full recompute of one model chunk: (checkpointed groups, layers left un-recomputed)."""
+    t = cfg.train
+    n = max(1, t.recompute_num_layers)
+    if t.recompute_method == "block":
+        recomputed = min(n, chunk_layers)
+        return recomputed, chunk_layers - recomputed  # block: one checkpoint per recomputed layer
+    return -(-chunk_layers // n), 0
+
+
+def chunk_bytes(cfg: RunConfig, layers: List[int], first: bool, last: bool) -> float:
+    """Saved bytes for one microbatch through one model chunk, recompute policy applied."""
+    x = dims_of(cfg)
+    total = embedding_bytes(cfg) if first else 0.0
+    total += head_bytes(cfg) if last else 0.0
+    if cfg.train.recompute != "full":
+        return total + layers_bytes(cfg, layers)
+    groups, plain = checkpoint_groups(cfg, len(layers))
+    total += groups * x.tokens * x.hidden / x.sp * x.act  # each checkpoint keeps its input
+    return total + layers_bytes(cfg, layers[len(layers) - plain :], "none")
+
+
+def recompute_transient_bytes(cfg: RunConfig, layers: List[int]) -> float:
+    """Full recompute rebuilds one group's activations during backward: that much is live at once."""
+    if cfg.train.recompute != "full" or not layers:
+        return 0.0
+    n = 1 if cfg.train.recompute_method == "block" else max(1, cfg.train.recompute_num_layers)
+    kinds = {derived.is_moe_layer(cfg.model, i) for i in layers}
+    return max(kind_bytes(cfg, moe, "none") for moe in kinds) * min(n, len(layers))

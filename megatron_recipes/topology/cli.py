@@ -1,0 +1,121 @@
+"""`megatron-recipes plan <recipe> [overrides] [--search [--top N]] [--picture out.png] [--show-config] [--json]
+[--all-groups]`, and `megatron-recipes plan --rules` (the validation rule table).
+
+Prints the layout, megatron-core's rank -> group map with node / NVLink-domain marks, the per-GPU
+memory estimate with its verdict, and a step-time estimate, without starting a process group or
+touching a GPU. A recipe that breaks any rule exits non-zero with every violation and prints no plan;
+one that only fails the memory rule prints its plan (so the overshoot can be read) and then fails.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Sequence
+
+from rich.console import Console
+
+from megatron_recipes.cli_args import split_args
+from megatron_recipes.config.compose import compose_recipe, to_yaml
+from megatron_recipes.config.errors import RecipeError, ValidationError
+from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.config.validate import validate
+
+PROG = "megatron-recipes plan"
+FLAGS = {"search": False, "picture": True, "show-config": False, "json": False, "all-groups": False, "top": True, "rules": False}
+MEMORY_RULE = "memory.fits"
+
+
+def _console() -> Console:
+    return Console(width=None if sys.stdout.isatty() else 160, highlight=False)
+
+
+def _top(value) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1:
+        raise RecipeError(f"{PROG}: --top {value!r} is not a positive integer", fix="e.g. --top 5")
+    return n
+
+
+def run_search(cfg: RunConfig, recipe: str, overrides: Sequence[str], top: int, as_json: bool, console: Console) -> int:
+    from megatron_recipes.topology.report import render_search, search_rows
+    from megatron_recipes.topology.search import search_layouts
+
+    result = search_layouts(cfg, top=top)
+    if as_json:
+        rows = search_rows(result, overrides)
+        print(json.dumps({"recipe": recipe, "enumerated": result.enumerated, "screened": result.screened,
+                          "rejected": dict(result.rejected), "layouts": rows}, indent=2))
+    else:
+        render_search(result, recipe, console, base_overrides=overrides)
+    if not result.best:
+        common = ", ".join(f"{k} ({n})" for k, n in result.rejected.most_common(4))
+        why = f"; the fastest candidates broke: {common}" if common else f" ({result.screened} of {result.enumerated} fit)"
+        raise RecipeError(
+            f"no layout of {cfg.model.name} on {cfg.cluster.nodes} x {cfg.cluster.name} passes validation and fits{why}",
+            fix="fix rules that do not depend on the layout (see `megatron-recipes plan <recipe>`), or add nodes "
+            "(cluster.nodes=...), pick a larger-memory cluster, or lower the global batch / sequence length",
+        )
+    return 0
+
+
+def print_rules(as_json: bool, console: Console) -> int:
+    from rich.table import Table
+
+    from megatron_recipes.config.rules import RULES
+
+    if as_json:
+        print(json.dumps([{"id": r.id, "fields": list(r.fields), "rule": r.message} for r in RULES], indent=2))
+        return 0
+    table = Table(title=f"validation rules ({len(RULES)})")
+    for col in ("id", "fields", "rule"):
+        table.add_column(col)
+    for r in RULES:
+        table.add_row(r.id, ", ".join(r.fields), r.message)
+    console.print(table)
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    args = split_args(argv, PROG, flags=FLAGS, optional_positional=1)
+    if args.flags.get("rules"):
+        return print_rules(bool(args.flags.get("json")), _console())
+    if not args.positional:
+        raise RecipeError(f"{PROG}: missing recipe", fix=f"usage: {PROG} <recipe> [key=value ...] [--search] [--picture out.png]")
+    recipe = args.recipe
+    cfg = compose_recipe(recipe, args.overrides)
+    console = _console()
+    as_json = bool(args.flags.get("json"))
+    if args.flags.get("show-config") and not as_json:
+        console.print(to_yaml(cfg), markup=False)
+    if args.flags.get("search"):
+        return run_search(cfg, recipe, args.overrides, _top(args.flags.get("top", 5)), as_json, console)
+
+    violations = validate(cfg)
+    blocking = [v for v in violations if v.rule_id != MEMORY_RULE]
+    if blocking:
+        raise ValidationError(violations, recipe=recipe)
+
+    from megatron_recipes.topology.plan import build_plan
+    from megatron_recipes.topology.report import render_plan
+
+    all_groups = bool(args.flags.get("all-groups"))
+    plan = build_plan(cfg, recipe, all_groups=all_groups)
+    if as_json:
+        plan["valid"] = not violations
+        print(json.dumps(plan, indent=2, default=str))
+    else:
+        render_plan(plan, console, all_groups=all_groups)
+    picture = args.flags.get("picture")
+    if picture:
+        from megatron_recipes.topology.picture import draw_layout
+
+        path = draw_layout(cfg, str(picture), title=recipe)
+        if not as_json:
+            console.print(f"picture: {path}")
+    if violations:
+        raise ValidationError(violations, recipe=recipe)
+    return 0

@@ -1,0 +1,129 @@
+"""The plan of a validated recipe as plain data: layout, group map, memory, step time.
+
+One dict feeds both the terminal tables (``report``) and ``plan --json``, so they never disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from megatron_recipes.config import derived
+from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.topology.groups import GroupKind, build_group_map, coordinates
+from megatron_recipes.topology.memory import GB, estimate_memory
+from megatron_recipes.topology.params import active_params, model_params
+from megatron_recipes.topology.steptime import ASSUMED_MFU, estimate_step_time
+
+SHOWN_GROUPS = 3  # groups listed per kind unless --all-groups
+SHOWN_RANKS = 16  # ranks in the per-rank map unless --all-groups
+
+
+def layout_dict(cfg: RunConfig) -> Dict[str, Any]:
+    p, t = cfg.parallel, cfg.train
+    stages = derived.pipeline_stage_layers(cfg)
+    return {
+        "world_size": derived.world_size(cfg),
+        "nodes": cfg.cluster.nodes,
+        "gpus_per_node": cfg.cluster.gpus_per_node,
+        "tp": p.tp,
+        "pp": p.pp,
+        "vpp": p.vpp,
+        "cp": p.cp,
+        "dp": derived.data_parallel_size(cfg),
+        "sp": p.sp,
+        "ep": p.ep,
+        "etp": derived.expert_tensor_parallel_size(cfg),
+        "expert_dp": derived.expert_data_parallel_size(cfg),
+        "micro_batch_size": t.micro_batch_size,
+        "global_batch_size": t.global_batch_size,
+        "num_microbatches": derived.num_microbatches(cfg),
+        "seq_length": t.seq_length,
+        "recompute": t.recompute,
+        "layers_per_stage": [[len(c) for c in chunks] for chunks in stages],
+    }
+
+
+def group_dict(kind: GroupKind, all_groups: bool) -> Dict[str, Any]:
+    groups = [list(g) for g in kind.groups]
+    return {
+        "size": kind.size,
+        "count": len(groups),
+        "intra_node": kind.intra_node,
+        "intra_nvlink_domain": kind.intra_nvlink,
+        "max_nodes_spanned": kind.max_nodes_spanned,
+        "description": kind.description,
+        "groups": groups if all_groups else groups[:SHOWN_GROUPS],
+    }
+
+
+def rank_map(cfg: RunConfig, groups: Dict[str, GroupKind], all_ranks: bool) -> List[Dict[str, int]]:
+    """Per rank: its node and its index inside each group kind (megatron-core's coordinates)."""
+    world = derived.world_size(cfg)
+    ranks = range(world) if all_ranks else range(min(world, SHOWN_RANKS))
+    coords = coordinates(groups)
+    return [{"rank": r, "node": r // cfg.cluster.gpus_per_node, **{k: coords[k][r] for k in groups}} for r in ranks]
+
+
+def memory_dict(cfg: RunConfig) -> Dict[str, Any]:
+    est = estimate_memory(cfg)
+    stages = []
+    for s in est.stages:
+        stages.append(
+            {
+                "pp_rank": s.pp_rank,
+                "params": s.params.total,
+                "expert_params": s.params.expert,
+                "weights_gb": s.weights / GB,
+                "grads_gb": s.grads / GB,
+                "optimizer_gb": s.optimizer / GB,
+                "activations_gb": s.activations / GB,
+                "activations_per_microbatch_gb": s.per_microbatch / GB,
+                "microbatches_in_flight": s.in_flight,
+                "recompute_transient_gb": s.transient / GB,
+                "overhead_gb": s.overhead / GB,
+                "total_gb": s.total / GB,
+            }
+        )
+    return {
+        "capacity_gb": est.capacity / GB,
+        "worst_stage": est.worst.pp_rank,
+        "worst_total_gb": est.worst.total / GB,
+        "margin_gb": est.margin / GB,
+        "fits": est.fits,
+        "bubble_fraction": est.bubble_fraction,
+        "stages": stages,
+    }
+
+
+def time_dict(cfg: RunConfig, groups: Dict[str, GroupKind]) -> Dict[str, Any]:
+    st = estimate_step_time(cfg, groups)
+    return {
+        "assumed_mfu": ASSUMED_MFU,
+        "nominal_rates": st.nominal,
+        "step_s": st.total,
+        "tokens_per_s_per_gpu": st.tokens_per_s_per_gpu,
+        "model_mfu": st.mfu,
+        "breakdown_s": st.breakdown(),
+    }
+
+
+def build_plan(cfg: RunConfig, recipe: str, all_groups: bool = False) -> Dict[str, Any]:
+    groups = build_group_map(cfg)
+    total = model_params(cfg)
+    return {
+        "recipe": recipe,
+        "model": {"name": cfg.model.name, "params": total.total, "active_params": active_params(cfg)},
+        "cluster": {
+            "name": cfg.cluster.name,
+            "gpu_arch": cfg.cluster.gpu_arch,
+            "gpu_memory_gb": cfg.cluster.gpu_memory_gb,
+            "nvlink_domain": cfg.cluster.nvlink_domain,
+        },
+        "layout": layout_dict(cfg),
+        "order": "tp-cp-ep-dp-pp",
+        "groups": {k: group_dict(v, all_groups) for k, v in groups.items()},
+        "ranks": rank_map(cfg, groups, all_groups),
+        "memory": memory_dict(cfg),
+        "step_time": time_dict(cfg, groups),
+    }
+

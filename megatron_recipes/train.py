@@ -1,0 +1,28 @@
+"""``python -m megatron_recipes.train`` and ``torchrun -m megatron_recipes.train``: one rank's entry.
+
+The ``__main__`` guard is required: megatron-core's checkpoint writer starts a ``spawn``
+multiprocessing manager, which re-imports the main module; without the guard that child would train.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import List, Optional
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from megatron_recipes.config.errors import RecipeError
+    from megatron_recipes.training.cli import main as train_main
+
+    try:
+        return int(train_main(list(sys.argv[1:] if argv is None else argv)) or 0)
+    except RecipeError as exc:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        where = f"[rank {os.environ.get('RANK', '?')}] " if world > 1 else ""
+        print(f"{where}error: {exc.render()}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""Checkpoints of a run: save, find the latest complete one, resume in any layout, load weights only.
+
+The engine behind ``checkpoint.*`` in a recipe. Tensors go through megatron-core's distributed
+checkpointing (``checkpoint_io``), so a checkpoint saved at one TP/PP/VPP/DP/EP layout loads at another;
+folders, the completion marker and retention are ``checkpoint_store``; model identity is
+``checkpoint_identity``. Every function here is collective: call it on every rank.
+
+Layout of ``root`` (the run's ``checkpoints/`` folder)::
+
+    iter_0000200/                      megatron-core torch_dist files + meta.json + config.yaml
+    iter_0000300/
+    latest_checkpointed_iteration.txt  300 (replaced atomically, after the folder is complete)
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, TypeVar
+
+import torch
+
+from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.training import checkpoint_identity as identity
+from megatron_recipes.training import checkpoint_io as io
+from megatron_recipes.training import checkpoint_store as store
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+T = TypeVar("T")
+
+
+def checkpoints_root(cfg: RunConfig) -> Path:
+    """Where a run's checkpoints live: ``run.dir/checkpoints``."""
+    return Path(cfg.run.dir).expanduser() / CHECKPOINTS
+
+
+def find_latest(root: Path) -> Optional[Path]:
+    """The newest complete checkpoint under ``root`` (None if there is none); never a partial folder."""
+    return store.find_latest(Path(root).expanduser())
+
+
+# --- collective helpers: rank 0 touches shared files, every rank sees the same outcome ---
+
+
+def _require_dist() -> None:
+    if not torch.distributed.is_initialized():
+        raise RecipeError(
+            "checkpoints are saved and loaded collectively, but torch.distributed is not initialised",
+            fix="call megatron_recipes.runtime.distributed.init_model_parallel(cfg) first "
+            "(a single process gets a one-rank group)",
+        )
+
+
+def _on_rank0(what: str, fn: Callable[[], T]) -> Optional[T]:
+    """Run ``fn`` on rank 0 and share its result; if it fails, every rank raises (none waits forever)."""
+    outcome: List[Any] = [None, None]  # [result, (message, fix) of a failure]
+    if torch.distributed.get_rank() == 0:
+        try:
+            outcome[0] = fn()
+        except RecipeError as exc:
+            outcome[1] = (exc.message, exc.fix)
+        except Exception as exc:  # shared with the other ranks, then raised on all of them below
+            log.exception("%s failed", what)
+            outcome[1] = (f"{what} failed on rank 0: {type(exc).__name__}: {exc}", None)
+    torch.distributed.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise RecipeError(outcome[1][0], fix=outcome[1][1])
+    return outcome[0]
+
+
+def _is_distributed_optimizer(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return any(isinstance(part, DistributedOptimizer) for part in parts)
+
+
+def _optimizer_format(cfg: RunConfig, optimizer) -> Optional[str]:
+    if optimizer is None or not _is_distributed_optimizer(optimizer):
+        return None
+    fmt = cfg.checkpoint.optimizer_format
+    if fmt not in io.OPTIMIZER_FORMATS:
+        raise RecipeError(
+            f"checkpoint.optimizer_format={fmt!r} is not known",
+            fix=f"use {' or '.join(io.OPTIMIZER_FORMATS)} (fully_reshardable resumes in any layout)",
+        )
+    return fmt
+
+
+def _runtime_layout(cfg: Optional[RunConfig]) -> Dict[str, Any]:
+    """This job's layout as megatron-core's parallel_state has it (the truth for RNG ownership)."""
+    from megatron.core import parallel_state as ps
+
+    uneven = {}
+    if cfg is not None:  # uneven pipeline stages move layers between ranks
+        uneven = {
+            "num_layers_in_first_pipeline_stage": cfg.parallel.num_layers_in_first_pipeline_stage,
+            "num_layers_in_last_pipeline_stage": cfg.parallel.num_layers_in_last_pipeline_stage,
+        }
+    return {
+        **uneven,
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "world_size": torch.distributed.get_world_size(),
+    }
+
+
+# --- save ---
+
+
+def _meta(step: int, cfg: RunConfig, n_chunks: int, optimizer, scheduler, fmt: Optional[str]) -> Dict[str, Any]:
+    return {
+        "format": store.FORMAT,
+        "format_version": store.FORMAT_VERSION,
+        "complete": True,
+        "step": step,
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "run_name": cfg.run.name,
+        "fingerprint": identity.model_fingerprint(cfg),
+        "layout": identity.layout(cfg),
+        "contents": {
+            "model_chunks": n_chunks,
+            "optimizer": optimizer is not None,
+            "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
+            "optimizer_format": fmt,
+            "optimizer_parts": io.optimizer_parts(optimizer) if optimizer is not None else 0,
+            "scheduler": scheduler is not None,
+            "rng": True,
+        },
+        "backend": "torch_dist",
+        "megatron_core_version": io.megatron_core_version(),
+        "torch_version": torch.__version__,
+    }
+
+
+def _finish(root: Path, step: int, meta: Dict[str, Any], cfg: RunConfig, keep_last: int) -> Path:
+    """Rank 0, after every rank's shards are on disk: marker, rename, tracker, then retention."""
+    import json
+
+    from megatron_recipes.config.compose import to_yaml
+
+    staging, final = store.staging_dir(root, step), store.iter_dir(root, step)
+    store.write_atomic(staging / store.CONFIG, to_yaml(cfg))
+    store.write_atomic(staging / store.META, json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    store.publish(staging, final)
+    store.write_tracker(root, step)
+    for path in store.prune(root, keep_last):
+        log.info("removed old checkpoint %s", path)
+    return final
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model_chunks: List[torch.nn.Module],
+    optimizer,
+    scheduler,
+    state: Dict[str, Any],
+    cfg: RunConfig,
+    keep_last: int,
+) -> Path:
+    """Save ``root/iter_{step:07d}`` and return it once complete (tracker updated, old ones pruned).
+
+    ``optimizer=None`` (with ``scheduler=None``) writes a weights-only checkpoint, e.g. a conversion.
+    ``state`` holds the loop's global counters (step, consumed samples, data position): plain values or
+    tensors, equal on every rank (rank 0's copy is stored). Each rank's RNG streams are saved separately.
+    ``keep_last`` K > 0 keeps the newest K complete checkpoints; 0 keeps all.
+    """
+    _require_dist()
+    if step < 0:
+        raise RecipeError(f"checkpoint step {step} is negative", fix="save with the number of completed steps")
+    root = Path(root).expanduser()
+    io.check_plain(dict(state))
+    fmt = _optimizer_format(cfg, optimizer)
+    # Every rank waits for rank 0's outcome (a broadcast), so no rank writes before the folder exists.
+    _on_rank0("preparing the checkpoint folder", lambda: store.prepare_staging(root, step))
+
+    metadata = io.sharded_metadata(fmt)
+    sharded = io.model_state(model_chunks, metadata)
+    n_chunks = len(sharded)
+    if optimizer is not None:
+        sharded["optimizer"] = io.optimizer_state(optimizer, dict(sharded), metadata, is_loading=False)
+    if scheduler is not None:
+        sharded["scheduler"] = scheduler.state_dict()
+    sharded[io.RNG_KEY] = io.rng_object(io.capture_rng())
+    sharded["state"] = dict(state)
+    content = {k: v for k, v in metadata.items() if isinstance(v, (str, int, float, bool))}
+    io.save(sharded, store.staging_dir(root, step), content_metadata=content)
+
+    meta = _meta(step, cfg, n_chunks, optimizer, scheduler, fmt)
+    _on_rank0("finishing the checkpoint", lambda: _finish(root, step, meta, cfg, keep_last))
+    return store.iter_dir(root, step)
+
+
+def finish_weights_only(root: Path, step: int, cfg: RunConfig) -> Path:
+    """Complete a weights-only checkpoint whose torch_dist files another writer put in
+    ``checkpoint_store.staging_dir(root, step)`` (the HF importer streams them without a process group):
+    config.yaml, meta.json, rename, tracker, exactly as ``save_checkpoint`` finishes. One process."""
+    meta = _meta(step, cfg, 1, None, None, None)
+    meta["contents"]["rng"] = False
+    return _finish(Path(root), step, meta, cfg, keep_last=0)
+
+
+# --- load ---
+
+
+def _resolve_everywhere(path: Path) -> Path:
+    """Rank 0 resolves (folder or checkpoints root -> complete folder) so all ranks load the same one."""
+    return Path(_on_rank0("finding the checkpoint", lambda: str(store.resolve_dir(Path(path)))))
+
+
+def _check_before_tensors(sharded: Dict[str, Any], ckpt: Path) -> None:
+    found = io.all_ranks(io.tensor_mismatches(sharded, ckpt))
+    if found:
+        raise RecipeError(
+            f"checkpoint '{ckpt}' does not fit this model:\n    " + "\n    ".join(found),
+            fix="load a checkpoint of this model (compare its config.yaml with the recipe)",
+        )
+
+
+def _read(sharded: Dict[str, Any], ckpt: Path) -> Dict[str, Any]:
+    """megatron-core's load; a damaged file becomes a RecipeError (torch DCP raises on every rank)."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    try:
+        return io.load(sharded, ckpt)
+    except RecipeError:
+        raise
+    except (Exception, CheckpointException) as exc:
+        raise RecipeError(
+            f"checkpoint '{ckpt}' could not be read ({type(exc).__name__}: {str(exc).strip()[:400]})",
+            fix="the checkpoint is damaged or was copied incompletely; use another one (e.g. the previous "
+            "iteration). The model in memory may be partly loaded: start again rather than train on",
+        ) from exc
+
+
+def _load_models(model_chunks: List[torch.nn.Module], loaded: Dict[str, Any]) -> None:
+    from megatron_recipes.peft.state import load_state  # strict; adapter-only for models with adapters
+
+    models = io.unwrap(model_chunks)
+    for key, model in zip(io.chunk_keys(len(models)), models):
+        load_state(model, loaded[key])
+
+
+def load_checkpoint(
+    path: Path,
+    model_chunks: List[torch.nn.Module],
+    optimizer=None,
+    scheduler=None,
+    cfg: Optional[RunConfig] = None,
+) -> Dict[str, Any]:
+    """Restore a checkpoint (any layout of the same model) and return the loop's saved ``state``.
+
+    ``path`` is an ``iter_NNNNNNN`` folder or a checkpoints root (its latest complete one is used). With
+    ``cfg`` the model fingerprint is compared first and a checkpoint of another model is refused, naming
+    the fields; without it, tensor names and shapes are still checked before anything is loaded. RNG
+    streams are restored when the layout and world size are unchanged (a resharded resume cannot be
+    bit-exact anyway); the returned state always carries ``step``.
+    """
+    _require_dist()
+    ckpt = _resolve_everywhere(path)
+    meta = store.read_meta(ckpt)
+    if cfg is not None:
+        identity.check_same_model(meta, cfg, ckpt)
+    contents = meta.get("contents", {})
+    if optimizer is not None and not contents.get("optimizer"):
+        raise RecipeError(
+            f"checkpoint '{ckpt}' holds weights only (no optimizer state), so training cannot resume from it",
+            fix="start from its weights with checkpoint.pretrained=<path> and checkpoint.load=none",
+        )
+    if scheduler is not None and not contents.get("scheduler"):
+        raise RecipeError(f"checkpoint '{ckpt}' has no LR scheduler state", fix="load it with checkpoint.pretrained")
+    saved_layout, now = meta.get("layout", {}), _runtime_layout(cfg)
+    fmt = contents.get("optimizer_format") if optimizer is not None else None
+    if fmt == "dp_reshardable" and identity.model_parallel_changed(saved_layout, now):
+        raise RecipeError(
+            f"checkpoint '{ckpt}' stores its optimizer as dp_reshardable, which resumes only with the same "
+            f"model-parallel layout ({', '.join(identity.model_parallel_changed(saved_layout, now))})",
+            fix=f"resume with {identity.describe(saved_layout)}, or start from its weights with "
+            "checkpoint.pretrained (the optimizer restarts); save with checkpoint.optimizer_format="
+            "fully_reshardable to resume in any layout",
+        )
+    same_ranks = identity.same_ranks(saved_layout, now)
+    if not same_ranks and torch.distributed.get_rank() == 0:
+        log.warning(
+            "resharding checkpoint %s from %s to %s; RNG streams start fresh",
+            ckpt,
+            identity.describe(saved_layout),
+            identity.describe(now),
+        )
+
+    metadata = io.sharded_metadata(fmt)
+    sharded = io.model_state(model_chunks, metadata)
+    if optimizer is not None:
+        sharded["optimizer"] = io.optimizer_state(optimizer, dict(sharded), metadata, is_loading=True)
+    if same_ranks and contents.get("rng"):
+        sharded[io.RNG_KEY] = io.rng_object()
+    _check_before_tensors(sharded, ckpt)
+
+    loaded = _read(sharded, ckpt)
+    _load_models(model_chunks, loaded)
+    if optimizer is not None:
+        saved_parts, parts_now = int(contents.get("optimizer_parts") or 1), io.optimizer_parts(optimizer)
+        io.load_optimizer(optimizer, io.regroup_optimizer_state(loaded["optimizer"], saved_parts, parts_now))
+    if scheduler is not None:
+        scheduler.load_state_dict(loaded["scheduler"])
+    if io.RNG_KEY in sharded:
+        io.restore_rng(loaded[io.RNG_KEY])
+    state = dict(loaded.get("state") or {})
+    state.setdefault("step", meta.get("step"))
+    return state
+
+
+def load_weights(path: Path, model_chunks: List[torch.nn.Module], cfg: RunConfig) -> None:
+    """Model weights only (fine-tuning from ``checkpoint.pretrained``, conversion round trips).
+
+    Same resolution and fingerprint check as ``load_checkpoint``; a path that does not exist is an error,
+    never a silent start from random weights.
+    """
+    _require_dist()
+    ckpt = _resolve_everywhere(path)
+    identity.check_same_model(store.read_meta(ckpt), cfg, ckpt)
+    sharded = io.model_state(model_chunks, io.sharded_metadata(None))
+    _check_before_tensors(sharded, ckpt)
+    _load_models(model_chunks, _read(sharded, ckpt))
+
+
+def resolve_load(cfg: RunConfig) -> Optional[Path]:
+    """What ``checkpoint.load`` asks to resume from: ``auto`` (latest complete under run.dir/checkpoints, or
+    None), ``none``, or an explicit path that must hold a complete checkpoint. Same answer on every rank."""
+    value = str(cfg.checkpoint.load).strip()
+    if value.lower() == "none":
+        return None
+
+    def decide() -> Optional[str]:
+        if value.lower() == "auto":
+            latest = store.find_latest(checkpoints_root(cfg))
+            return str(latest) if latest is not None else None
+        try:
+            return str(store.resolve_dir(Path(value)))
+        except RecipeError as exc:
+            raise RecipeError(f"checkpoint.load={value}: {exc.message}", fix=exc.fix) from None
+
+    if torch.distributed.is_initialized():
+        found = _on_rank0("resolving checkpoint.load", decide)
+    else:
+        found = decide()
+    return Path(found) if found is not None else None

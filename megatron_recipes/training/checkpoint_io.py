@@ -1,0 +1,304 @@
+"""megatron-core distributed checkpointing as this project uses it: torch_dist format, fully parallel save.
+
+Why the save once hung on CPU/gloo (megatron-core 0.16.1, read from its source): every torch_dist save
+goes through ``FileSystemWriterAsync.prepare_write_data``, which fetches a module-global results queue
+from ``filesystem_async._get_write_results_queue()``; the first call creates it as
+``multiprocessing.get_context("spawn").Manager().Queue()``. Starting a *spawn* Manager launches a fresh
+interpreter that re-imports the parent's ``__main__`` (as ``__mp_main__``) before it can serve. An entry
+script without an ``if __name__ == "__main__":`` guard therefore runs the whole training script again in
+that child: it calls ``init_process_group`` with the parent's RANK/MASTER_PORT and blocks in rendezvous
+(or dies on the port), while the parent blocks forever in ``Manager.start()`` waiting for the child's
+address. Separately, each forked writer calls ``psutil`` before its error handling, so without psutil a
+writer dies silently and the parent waits forever on its completion queue.
+
+The queue only carries results back to the process that saves when the save is synchronous: the
+per-file writer processes (``fork`` context) report through their own local queue and the collecting
+function runs in the saving process. Our saves are synchronous, so for the duration of each save we give
+megatron-core an in-process ``queue.Queue`` in that slot: no Manager, no re-imported entry script, no
+extra interpreter importing torch on every rank, and the format, strategies and resharding are exactly
+megatron-core's. The previous value is restored afterwards, so megatron-core's own async save (should
+anyone use it) still gets its Manager queue. psutil is checked up front with a clear error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import random
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+import numpy as np
+import torch
+
+from megatron_recipes.config.errors import RecipeError
+
+log = logging.getLogger(__name__)
+
+# Distributed-optimizer state formats megatron-core 0.16 offers (DistributedOptimizer.sharded_state_dict):
+#   fully_reshardable - canonical per-parameter tensors; reshards across TP/PP/VPP/EP *and* DP. Gathers the
+#                       optimizer shards to DP rank 0 of each model-parallel group at save time.
+#   dp_reshardable    - the raw flat buffers, saved without communication; only DP may change on resume.
+OPTIMIZER_FORMATS = ("fully_reshardable", "dp_reshardable")
+RNG_KEY = "rng_state"
+
+
+def unwrap(chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
+    """GPTModel chunks from what the trainer holds (DDP, Float16Module wrappers)."""
+    from megatron.core.utils import unwrap_model
+
+    return list(unwrap_model(list(chunks)))
+
+
+def chunk_keys(num_chunks: int) -> List[str]:
+    """Megatron-LM's names: ``model`` for one chunk, ``model0``, ``model1``... under VPP."""
+    return ["model"] if num_chunks == 1 else [f"model{i}" for i in range(num_chunks)]
+
+
+def sharded_metadata(optimizer_format: Optional[str]) -> Dict[str, Any]:
+    """The ``metadata`` megatron-core's ``sharded_state_dict`` methods take (as Megatron-LM >= 0.14 passes it)."""
+    meta: Dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if optimizer_format is not None:
+        meta["distrib_optim_sharding_type"] = optimizer_format
+        # Gather to DP rank 0 over gloo into host memory instead of all-gathering on every GPU.
+        meta["distrib_optim_fully_reshardable_mem_efficient"] = True
+    return meta
+
+
+def model_state(chunks: List[torch.nn.Module], metadata: Dict[str, Any]) -> Dict[str, Any]:
+    from megatron_recipes.peft.state import checkpoint_state  # adapters only, for models that have them
+
+    models = unwrap(chunks)
+    return {key: checkpoint_state(m, metadata) for key, m in zip(chunk_keys(len(models)), models)}
+
+
+def optimizer_state(optimizer, model_sd: Dict[str, Any], metadata: Dict[str, Any], is_loading: bool):
+    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+
+
+def optimizer_parts(optimizer) -> int:
+    """How many optimizers megatron-core chained: one per distinct data-parallel group (dense, experts)."""
+    return len(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def regroup_optimizer_state(loaded: Dict[Any, Any], saved_parts: int, parts_now: int) -> Dict[Any, Any]:
+    """Fit the optimizer's non-tensor state (param groups, step) to today's number of chained optimizers.
+
+    megatron-core builds a separate optimizer for expert parameters when their data-parallel group differs
+    from the dense one (EP > 1), and one otherwise; a ChainedOptimizer's state is keyed 0, 1, ... The
+    tensor state (fully_reshardable) is keyed by parameter and reshards by itself, but the common part
+    comes back in the saved structure. Param groups are matched by their identity keys (wd_mult, lr_mult,
+    is_expert_parallel...), so every part gets all saved groups.
+    """
+    if saved_parts == parts_now:
+        return loaded
+    saved = [loaded[i] for i in range(saved_parts)] if saved_parts > 1 else [loaded]
+    groups = [group for part in saved for group in part["optimizer"]["param_groups"]]
+    extras = {k: v for part in saved for k, v in part.items() if k not in ("optimizer", "param_state")}
+    tensors = [loaded[i]["param_state"] for i in range(parts_now)] if parts_now > 1 else [loaded["param_state"]]
+    rebuilt = [dict(extras, optimizer={"param_groups": groups}, param_state=t) for t in tensors]
+    return {i: part for i, part in enumerate(rebuilt)} if parts_now > 1 else rebuilt[0]
+
+
+def load_optimizer(optimizer, loaded: Dict[str, Any]) -> None:
+    """``optimizer.load_state_dict`` plus a fix for a megatron-core 0.16 bug that breaks exact resume.
+
+    Without Apex/Transformer Engine (the CPU lane, or a GPU image without them) its
+    ``DistributedOptimizer.load_state_dict`` gives every parameter's Adam state the *same* ``step``
+    tensor; torch's Adam increments ``step`` in place once per parameter, so after the first resumed
+    step the bias correction uses step+N for N parameters. Each parameter gets its own copy here.
+    """
+    optimizer.load_state_dict(loaded)
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(part, "optimizer", None)
+        for param_state in getattr(inner, "state", {}).values():
+            step = param_state.get("step") if isinstance(param_state, dict) else None
+            if torch.is_tensor(step):
+                param_state["step"] = step.clone()
+
+
+# --- RNG: every rank's own streams, so a resumed run draws exactly what the uninterrupted one would ---
+
+
+def capture_rng() -> Dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        # On the CPU lane megatron-core's "CUDA" tracker streams are CPU generator states (see cpu_lane).
+        "tracker": {name: state.clone() for name, state in get_cuda_rng_tracker().get_states().items()},
+    }
+
+
+def restore_rng(rng: Dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    get_cuda_rng_tracker().set_states(dict(rng["tracker"]))
+
+
+def rng_object(rng: Optional[Dict[str, Any]] = None):
+    """One shard per global rank (restored only when the layout and world size are unchanged)."""
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return ShardedObject(RNG_KEY, rng, (world,), (rank,), replica_id=0)
+
+
+# --- the loop's own state: stored in megatron-core's common.pt, read back with torch.load(weights_only) ---
+
+_PLAIN = (str, int, float, bool, type(None), torch.Tensor)
+
+
+def check_plain(value: Any, where: str = "state") -> None:
+    """``state`` must survive ``torch.load(weights_only=True)``: plain values, containers and tensors."""
+    if isinstance(value, _PLAIN):
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise RecipeError(f"{where} has a key of type {type(key).__name__}", fix="use str or int keys")
+            check_plain(item, f"{where}[{key!r}]")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_plain(item, f"{where}[{i}]")
+        return
+    raise RecipeError(
+        f"checkpoint {where} holds a {type(value).__module__}.{type(value).__name__}, which a checkpoint cannot "
+        "reload safely (megatron-core reads it with torch.load(weights_only=True))",
+        fix="store plain values (numbers, strings, lists, dicts) or tensors; RNG streams are saved by the "
+        "checkpoint engine itself, per rank",
+    )
+
+
+# --- megatron-core save / load ---
+
+
+@contextlib.contextmanager
+def _in_process_write_results() -> Iterator[None]:
+    """Give megatron-core's synchronous writer an in-process results queue (see the module docstring)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):
+        log.warning(
+            "this megatron-core's checkpoint writer has no _results_queue slot; its own multiprocessing queue "
+            "is used, so the entry script needs an `if __name__ == \"__main__\":` guard"
+        )
+        yield
+        return
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous
+
+
+def _require_psutil() -> None:
+    try:
+        import psutil  # noqa: F401  (megatron-core's writer processes need it)
+    except ImportError:
+        raise RecipeError(
+            "psutil is not installed; megatron-core's checkpoint writer needs it (without it the save hangs)",
+            fix="pip install psutil",
+        ) from None
+
+
+def _dp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+def _comparable_common(common: Dict[str, Any]) -> Dict[str, Any]:
+    """The common state ranks must agree on. Optimizer ``param_state`` differs by design (gathered to DP
+    rank 0 only), so megatron-core's consistency check would warn on every save; it is left out of it."""
+
+    def strip(tree: Any) -> Any:
+        return {k: strip(v) for k, v in tree.items() if k != "param_state"} if isinstance(tree, dict) else tree
+
+    return {key: strip(value) if key == "optimizer" else value for key, value in common.items()}
+
+
+def save(sharded_sd: Dict[str, Any], directory: Path, content_metadata: Dict[str, Any]) -> None:
+    """megatron-core ``dist_checkpointing.save`` (torch_dist), the writes spread over data-parallel ranks."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    _require_psutil()
+    threads = 2 if torch.cuda.is_available() else 1  # writer processes per rank; one suffices on CPU
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=threads)
+    group = _dp_group()
+    if group.size() > 1:
+        strategy = FullyParallelSaveStrategyWrapper(strategy, group)
+    with _in_process_write_results():
+        dist_checkpointing.save(
+            sharded_sd,
+            str(directory),
+            sharded_strategy=strategy,
+            content_metadata=dict(content_metadata),
+            preprocess_common_before_consistancy_check=_comparable_common,
+        )
+
+
+def load(sharded_sd: Dict[str, Any], directory: Path) -> Dict[str, Any]:
+    """megatron-core ``dist_checkpointing.load``; each DP rank reads part and they exchange the rest."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    strategy = TorchDistLoadShardedStrategy()
+    group = _dp_group()
+    if group.size() > 1:
+        strategy = FullyParallelLoadStrategyWrapper(strategy, group)
+    return dist_checkpointing.load(sharded_sd, str(directory), sharded_strategy=strategy)
+
+
+def tensor_mismatches(sharded_sd: Dict[str, Any], directory: Path, limit: int = 12) -> List[str]:
+    """Requested tensors the checkpoint lacks or holds with another global shape (this rank's view)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+
+    try:
+        stored = dist_checkpointing.load_tensors_metadata(str(directory))
+    except Exception as exc:  # a torn or foreign .metadata file: report instead of a stack of internals
+        return [f"its tensor index (.metadata) cannot be read: {exc}"]
+    requested, _, _ = load_preprocess(sharded_sd)  # works on a copy: factories applied, data untouched
+    found = []
+    for item in nested_values(requested):
+        if not isinstance(item, ShardedTensor):
+            continue
+        saved = stored.get(item.key)
+        if saved is None:
+            found.append(f"{item.key}: not in the checkpoint")
+        elif tuple(saved.global_shape) != tuple(item.global_shape):
+            found.append(f"{item.key}: checkpoint shape {tuple(saved.global_shape)}, model {tuple(item.global_shape)}")
+    return sorted(set(found))[:limit]
+
+
+def all_ranks(items: List[str]) -> List[str]:
+    """The union of every rank's list (so every rank raises the same error, none waits in a collective)."""
+    gathered: List[Optional[List[str]]] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, items)
+    return sorted({item for rank_items in gathered for item in (rank_items or [])})
+
+
+def megatron_core_version() -> str:
+    try:
+        from megatron.core import package_info
+
+        return str(package_info.__version__)
+    except ImportError:
+        return "unknown"

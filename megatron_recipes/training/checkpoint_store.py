@@ -1,0 +1,247 @@
+"""On-disk layout of a run's checkpoints: iteration folders, the completion marker, the tracker, retention.
+
+Why a layout of its own: a save can be killed at any byte (SIGKILL, preemption, a node dying), so a reader
+must never mistake a half-written folder for a checkpoint. Every save is written under a staging name
+(``iter_0000200.incomplete``), gets its ``meta.json`` last, and only then is renamed to ``iter_0000200``;
+the tracker ``latest_checkpointed_iteration.txt`` (Megatron-LM's name, so its tools read ours) is replaced
+atomically after that. Old checkpoints are removed only once a newer one is complete, and are renamed away
+before deletion so a half-deleted folder never looks complete either.
+
+Pure filesystem: no process groups. The caller runs the writing functions on one rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from megatron_recipes.config.errors import RecipeError
+
+log = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+META = "meta.json"  # ours; megatron-core writes its own metadata.json next to it
+CONFIG = "config.yaml"
+FORMAT = "megatron-recipes/dist-checkpoint"
+FORMAT_VERSION = 1
+STAGING_SUFFIX = ".incomplete"
+DELETING_SUFFIX = ".deleting"
+# Files megatron-core's torch_dist format writes once the sharded save has finished on every rank.
+MCORE_FILES = ("metadata.json", ".metadata", "common.pt")
+
+_ITER = re.compile(r"^iter_(\d{7,})$")
+
+
+def iter_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"iter_{step:07d}"
+
+
+def staging_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"iter_{step:07d}{STAGING_SUFFIX}"
+
+
+def step_of(path: Path) -> Optional[int]:
+    match = _ITER.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems do not support fsync on directories
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so readers see the old content or the new one, never a mix."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def read_meta(ckpt_dir: Path) -> Dict[str, Any]:
+    """The checkpoint's ``meta.json``; a clear error when it is missing, unreadable or not ours."""
+    meta_path = Path(ckpt_dir) / META
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RecipeError(
+            f"'{ckpt_dir}' is not a complete checkpoint: it has no {META} (a save that was interrupted, "
+            "or a folder that is not a megatron-recipes checkpoint)",
+            fix="point at a complete iter_NNNNNNN folder, or at the checkpoints folder to use its latest complete one",
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise RecipeError(f"'{meta_path}' cannot be read: {exc}", fix="the checkpoint is damaged; use another one") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise RecipeError(
+            f"'{meta_path}' is not a megatron-recipes checkpoint description",
+            fix="point at a folder written by megatron-recipes (train or convert)",
+        )
+    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+        raise RecipeError(
+            f"'{ckpt_dir}' uses checkpoint format version {meta['format_version']}, newer than this "
+            f"megatron-recipes understands ({FORMAT_VERSION})",
+            fix="upgrade megatron-recipes",
+        )
+    return meta
+
+
+def problems(ckpt_dir: Path) -> List[str]:
+    """Why ``ckpt_dir`` is not a complete checkpoint (empty list when it is)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return [f"'{ckpt_dir}' does not exist or is not a folder"]
+    if ckpt_dir.name.endswith((STAGING_SUFFIX, DELETING_SUFFIX)):
+        return [f"'{ckpt_dir.name}' is the folder of a save or deletion that did not finish"]
+    found = []
+    try:
+        meta = read_meta(ckpt_dir)
+    except RecipeError as exc:
+        return [exc.message]
+    if not meta.get("complete"):
+        found.append(f"{META} does not mark it complete")
+    name_step = step_of(ckpt_dir)
+    if name_step is not None and name_step != meta.get("step"):
+        found.append(f"its name says step {name_step} but {META} says step {meta.get('step')}")
+    missing = [name for name in MCORE_FILES if not (ckpt_dir / name).is_file()]
+    if missing:
+        found.append(f"megatron-core files missing: {', '.join(missing)}")
+    return found
+
+
+def is_complete(ckpt_dir: Path) -> bool:
+    return not problems(ckpt_dir)
+
+
+def read_tracker(root: Path) -> Optional[int]:
+    path = Path(root) / TRACKER
+    try:
+        return int(path.read_text(encoding="utf-8").strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def write_tracker(root: Path, step: int) -> None:
+    write_atomic(Path(root) / TRACKER, f"{step}\n")
+
+
+def complete_checkpoints(root: Path) -> List[Tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        step = step_of(child)
+        if step is not None and is_complete(child):
+            found.append((step, child))
+    return sorted(found)
+
+
+def find_latest(root: Path) -> Optional[Path]:
+    """The newest complete checkpoint under ``root``, or None.
+
+    A folder counts only with its completion marker (``meta.json`` written last, then the rename from the
+    staging name); staging folders left by a killed save are never candidates. The tracker names the newest
+    one in normal operation; a complete folder newer than the tracker (a kill between the rename and the
+    tracker update) is complete on disk and is used too.
+    """
+    root = Path(root)
+    complete = complete_checkpoints(root)
+    tracked = read_tracker(root)
+    if tracked is not None and tracked not in {step for step, _ in complete}:
+        log.warning("%s names step %s, which is not a complete checkpoint; using the newest complete one", TRACKER, tracked)
+    return complete[-1][1] if complete else None
+
+
+def resolve_dir(path: Path) -> Path:
+    """A checkpoint folder from either the folder itself or a checkpoints root holding complete ones."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise RecipeError(f"checkpoint path '{path}' does not exist", fix="check the path (nothing was loaded)")
+    if (path / META).exists() or step_of(path) is not None or path.name.endswith(STAGING_SUFFIX):
+        found = problems(path)
+        if found:
+            raise RecipeError(
+                f"'{path}' is not a complete checkpoint: {'; '.join(found)}",
+                fix="use a complete iter_NNNNNNN folder, or the checkpoints folder to pick its latest complete one",
+            )
+        return path
+    latest = find_latest(path)
+    if latest is None:
+        raise RecipeError(
+            f"'{path}' holds no complete checkpoint (no iter_NNNNNNN folder with {META})",
+            fix="point at a checkpoint folder written by megatron-recipes train/convert",
+        )
+    return latest
+
+
+def _remove(path: Path) -> None:
+    """Rename out of sight first, so a deletion interrupted halfway never leaves a 'complete' folder."""
+    doomed = path.with_name(path.name + DELETING_SUFFIX) if not path.name.endswith(DELETING_SUFFIX) else path
+    if doomed != path:
+        os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def prepare_staging(root: Path, step: int) -> Path:
+    """An empty staging folder for ``step`` (a leftover from a killed save of the same step is discarded)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    staging = staging_dir(root, step)
+    if staging.exists():
+        _remove(staging)
+    staging.mkdir()
+    return staging
+
+
+def publish(staging: Path, final: Path) -> None:
+    """Give a finished staging folder its final name (replacing an older save of the same step)."""
+    for name in os.listdir(staging):
+        if name.endswith(".distcp") or name in (META,) + MCORE_FILES:
+            _fsync_file(staging / name)
+    _fsync_dir(staging)
+    if final.exists():
+        _remove(final)
+    os.replace(staging, final)
+    _fsync_dir(final.parent)
+
+
+def _fsync_file(path: Path) -> None:
+    try:
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+    except OSError:
+        pass
+
+
+def prune(root: Path, keep_last: int) -> List[Path]:
+    """Keep the newest ``keep_last`` complete checkpoints (0 keeps all); drop leftovers of killed saves."""
+    root = Path(root)
+    removed = []
+    complete = complete_checkpoints(root)
+    if keep_last > 0:
+        for _, path in complete[:-keep_last]:
+            _remove(path)
+            removed.append(path)
+    for child in root.iterdir():
+        if child.is_dir() and child.name.endswith((STAGING_SUFFIX, DELETING_SUFFIX)):
+            _remove(child)
+            removed.append(child)
+    return removed

@@ -1,0 +1,49 @@
+"""The trainer's side of checkpoints: what the loop stores in them and which one a run starts from.
+
+The engine (``training/checkpoint.py``) writes and finds checkpoints, reshards them, and saves each
+rank's RNG streams itself. This module adds the loop's counters to every save and decides the start:
+``checkpoint.load`` (``auto`` = the latest complete checkpoint of this run, ``none``, or a path) wins;
+otherwise ``checkpoint.pretrained`` weights; otherwise fresh initialisation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.training import checkpoint
+
+
+def latest(cfg: RunConfig) -> Optional[Path]:
+    """The latest complete checkpoint of this run, or None."""
+    return checkpoint.find_latest(checkpoint.checkpoints_root(cfg))
+
+
+def save(cfg: RunConfig, step: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
+    """A full checkpoint (weights, optimizer, scheduler, RNG, counters); ``consumed_samples`` is the whole
+    data-iterator state, since the batch iterator is a pure function of it."""
+    state = {"step": step, "consumed_samples": consumed_samples}
+    return checkpoint.save_checkpoint(
+        checkpoint.checkpoints_root(cfg), step, model, optimizer, scheduler, state, cfg, keep_last=cfg.checkpoint.keep_last
+    )
+
+
+def resume(cfg: RunConfig, model, optimizer, scheduler) -> Optional[Dict[str, Any]]:
+    """Load what the recipe asks for; the saved loop state when resuming, None on a fresh start."""
+    path = checkpoint.resolve_load(cfg)
+    if path is not None:
+        state = checkpoint.load_checkpoint(path, model, optimizer, scheduler, cfg=cfg)
+        if torch.distributed.get_rank() == 0:
+            print(f"resumed from {path} at step {state['step']}", flush=True)
+        return state
+    from megatron_recipes.peft.state import peft_active
+
+    if cfg.checkpoint.pretrained and not peft_active(cfg):  # PEFT runs loaded it before apply_peft
+        # a missing path is an error there, never a silent random start
+        checkpoint.load_weights(Path(cfg.checkpoint.pretrained), model, cfg)
+        if torch.distributed.get_rank() == 0:
+            print(f"initial weights from {cfg.checkpoint.pretrained}", flush=True)
+    return None

@@ -1,0 +1,114 @@
+"""``megatron-recipes train <recipe> [overrides]``: train here, or start the local ranks first.
+
+Under a launcher (torchrun or Slurm set ``RANK``) this process is one rank and trains. Started by
+hand on a single node, it validates the recipe once and then starts ``cluster.gpus_per_node`` ranks
+itself through torchrun's own launcher (``--standalone``), which also stops every rank when one dies;
+its exit code is the job's. Multi-node jobs are started per node by torchrun or ``megatron-recipes slurm``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import List, Sequence
+
+from megatron_recipes.cli_args import split_args
+from megatron_recipes.config import derived
+from megatron_recipes.config.errors import RecipeError
+
+PROG = "megatron-recipes train"
+_LAUNCHER_VARS = ("RANK", "TORCHELASTIC_RUN_ID")
+# Known, harmless warnings on every start (TE/Apex absent, megatron-core's own deprecated calls): they
+# would bury the few lines a user needs to read. Anything else still shows.
+_KNOWN_WARNINGS = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"full scope is deprecated",
+    r"it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+    r"`torch\.distributed\.\w+` is deprecated",
+    r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+    r"`load_state_dict` is deprecated and will be removed",
+    r"Please use DTensor instead and we are deprecating ShardedTensor",
+)
+
+
+def quiet_known_warnings() -> None:
+    import warnings
+
+    for pattern in _KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=f".*{pattern}")
+
+
+def under_launcher() -> bool:
+    return any(v in os.environ for v in _LAUNCHER_VARS)
+
+
+def _compose(argv: Sequence[str]):
+    from megatron_recipes.config.compose import compose_recipe
+
+    args = split_args(argv, PROG)
+    return args.recipe, compose_recipe(args.recipe, args.overrides)
+
+
+def run_rank(argv: Sequence[str]) -> int:
+    """Train on this process as one rank of the job."""
+    from megatron_recipes.training.loop import run
+
+    recipe, cfg = _compose(argv)
+    return run(cfg, recipe)
+
+
+def _rank_count(cfg) -> int:
+    import torch
+
+    if cfg.cluster.nodes > 1:
+        raise RecipeError(
+            f"cluster.nodes={cfg.cluster.nodes}: a multi-node job cannot be started from one shell",
+            fix="use `megatron-recipes slurm submit <recipe>`, or run torchrun on every node "
+            "(torchrun --nnodes N --nproc_per_node G -m megatron_recipes.train <recipe> ...)",
+        )
+    n = cfg.cluster.gpus_per_node
+    if torch.cuda.is_available() and torch.cuda.device_count() < n:
+        raise RecipeError(
+            f"cluster.gpus_per_node={n} but this machine has {torch.cuda.device_count()} GPU(s)",
+            fix=f"set cluster.gpus_per_node={torch.cuda.device_count()} (and a layout that fits), or pick another cluster",
+        )
+    return n
+
+
+def spawn_local(argv: Sequence[str], nproc: int, target: Sequence[str] = ("--module", "megatron_recipes.train")) -> int:
+    """Run ``nproc`` ranks of ``target`` (a module or script) with ``argv`` through torchrun; their exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    if "OMP_NUM_THREADS" not in os.environ:  # one share of the cores per rank (torchrun would pick 1)
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    launcher_args = ["--standalone", f"--nproc_per_node={nproc}", "--max_restarts=0", *target]
+    try:
+        run(parse_args(launcher_args + list(argv)))
+    except ChildFailedError as exc:
+        codes = sorted({f.exitcode for f in exc.failures.values()}, key=lambda c: (c < 0, c))
+        first = next(iter(exc.failures.values()))
+        print(f"error: rank {first.local_rank} failed (exit code {first.exitcode}); the other ranks were stopped", file=sys.stderr)
+        code = codes[0]
+        return code if 0 < code < 128 else 1
+    except SignalException as exc:
+        print(f"stopped by signal {exc.sigval.name}; the ranks were stopped", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    return 0
+
+
+def main(argv: List[str]) -> int:
+    """Entry of ``megatron-recipes train`` and ``python -m megatron_recipes.train``."""
+    quiet_known_warnings()
+    if under_launcher():
+        return run_rank(argv)
+    recipe, cfg = _compose(argv)
+    from megatron_recipes.training.loop import validate
+
+    validate(cfg, recipe)  # report a bad recipe once, before any rank starts
+    world = derived.world_size(cfg)
+    if world == 1:
+        return run_rank(argv)
+    return spawn_local(argv, _rank_count(cfg))

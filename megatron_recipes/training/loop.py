@@ -1,0 +1,346 @@
+"""The training loop of one rank: recipe in, megatron-core trains, metrics and checkpoints out.
+
+Order of work: validate (before any process group), process groups, data artefacts, model + DDP +
+optimizer + schedule, resume (latest complete checkpoint, or pretrained weights), datasets, then steps.
+Every rank runs the same code; only rank 0 writes the run directory's files other than checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from megatron_recipes.config import derived
+from megatron_recipes.config.compose import to_yaml
+from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.models import capabilities
+from megatron_recipes.runtime import distributed
+from megatron_recipes.training import checkpoint, checkpoint_store, checkpointing, metrics, optim, sinks, step
+from megatron_recipes.training.preemption import PreemptionWatcher
+
+log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RecipeError):
+    """The loss (or gradient norm) became NaN/Inf; the run stops and keeps its last good checkpoint."""
+
+
+def validate(cfg: RunConfig, recipe: str) -> None:
+    """The recipe rules, what this machine can honour, and the inputs the run will read."""
+    from megatron_recipes.config.validate import validate_or_raise
+
+    validate_or_raise(cfg, recipe)
+    capabilities.require_supported(cfg)
+    preflight(cfg)
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Inputs a run needs, checked before any rank starts: optimizer mapping, data files, start weights."""
+    from megatron_recipes.data.indexed import check_indexed_prefix
+    from megatron_recipes.data.pretrain import resolve_blends
+
+    optim.optimizer_config(cfg)
+    if cfg.data.kind in ("builtin", "indexed"):
+        blend, per_split = resolve_blends(cfg)  # builds (once) or finds the built-in corpus
+        for b in [blend, *(per_split or [])]:
+            for prefix in (b[0] if b else []):
+                check_indexed_prefix(prefix)
+    resumes = checkpoint.resolve_load(cfg)  # an explicit checkpoint.load path must hold a complete checkpoint
+    if cfg.checkpoint.pretrained and resumes is None:
+        try:
+            checkpoint_store.resolve_dir(Path(cfg.checkpoint.pretrained))
+        except RecipeError as exc:
+            raise RecipeError(f"checkpoint.pretrained={cfg.checkpoint.pretrained}: {exc.message}", fix=exc.fix) from None
+
+
+def write_config(cfg: RunConfig, run_dir: Path) -> None:
+    """The resolved recipe, as ``config.yaml`` (atomic: a reader never sees half of it)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / ".tmp-config.yaml"
+    tmp.write_text(to_yaml(cfg), encoding="utf-8")
+    os.replace(tmp, run_dir / "config.yaml")
+
+
+@dataclass
+class Window:
+    """Metrics accumulated between two log lines."""
+
+    losses: List[float] = field(default_factory=list)
+    seconds: float = 0.0
+    skipped: int = 0
+
+    def add(self, result: step.StepResult, seconds: float) -> None:
+        self.losses.append(result.loss)
+        self.seconds += seconds
+        self.skipped += int(result.skipped)
+
+
+class Trainer:
+    """State of one training run on this rank."""
+
+    def __init__(self, cfg: RunConfig, runtime: distributed.Runtime) -> None:
+        self.cfg = cfg
+        self.runtime = runtime
+        self.device = runtime.device
+        self.is_logger = runtime.rank == 0
+        self.run_dir = Path(cfg.run.dir).expanduser().resolve()
+        self.entropy: Optional[float] = None
+        self.step = 0
+        self.last_saved = -1
+        self.consumed_samples = 0
+        self.sink: Optional[sinks.MetricsLog] = None
+        self.preemption = PreemptionWatcher(self.run_dir).install()  # SIGUSR1/SIGTERM or a flag file
+
+    # ----- set-up -------------------------------------------------------------------------------
+    def prepare_data_artifacts(self):
+        """Corpus/tokenizer (built once, under a file lock, by whichever rank comes first)."""
+        from megatron_recipes.data.tokenizer import load_tokenizer
+
+        if self.cfg.data.kind == "builtin":
+            from megatron_recipes.data.builtin import ensure_builtin_data
+
+            self.entropy = ensure_builtin_data(self.cfg).unigram_entropy_nats
+        return load_tokenizer(self.cfg)
+
+    def build(self) -> None:
+        from megatron_recipes.models.builder import build_model_chunks
+
+        from megatron_recipes.peft.state import prepare_for_training
+
+        self.tokenizer = self.prepare_data_artifacts()
+        chunks = build_model_chunks(self.cfg)
+        self.peft = prepare_for_training(self.cfg, chunks)  # PEFT: pretrained base, then adapters (before DDP)
+        self.model = optim.wrap_model(self.cfg, chunks)
+        optim.configure_schedule_hooks(self.model)
+        self.optimizer = optim.build_optimizer(self.cfg, self.model)
+        self.scheduler = optim.build_scheduler(self.cfg, self.optimizer)
+        self.forward_step = step.make_forward_step(self.device, capabilities.use_transformer_engine())
+
+    def resume(self) -> int:
+        """Step to continue from: a checkpoint's (restoring everything), else 0 (maybe from pretrained)."""
+        state = checkpointing.resume(self.cfg, self.model, self.optimizer, self.scheduler) or {}
+        step_ = int(state.get("step", 0))
+        self.consumed_samples = int(state.get("consumed_samples", step_ * self.cfg.train.global_batch_size))
+        return step_
+
+    def build_iterators(self) -> None:
+        from megatron.core import parallel_state
+
+        from megatron_recipes.data.datasets import build_datasets  # pretraining kinds and sft
+
+        self.train_ds, self.valid_ds, _ = build_datasets(self.cfg, self.tokenizer)
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.train_iters = self._iterators(self.train_ds, self.consumed_samples)
+
+    def _iterators(self, dataset, consumed: int) -> list:
+        """One iterator per model chunk (the interleaved schedule reads each chunk's own)."""
+        from megatron_recipes.data.batches import micro_batches
+
+        t = self.cfg.train
+        return [
+            micro_batches(dataset, t.micro_batch_size, self.dp_rank, self.dp_size, consumed, self.cfg.data.num_workers)
+            for _ in self.model
+        ]
+
+    # ----- the loop -----------------------------------------------------------------------------
+    def fit(self) -> int:
+        self.setup()
+        while self.step < self.cfg.train.train_iters:
+            if self.advance():
+                return 0
+        self.save()
+        self._finish()
+        return 0
+
+    def setup(self) -> None:
+        """Everything before the first step: model, optimizer, resume, data, run-directory files."""
+        self.build()
+        self.step = self.resume()
+        self.last_saved = self.step
+        self.build_iterators()
+        if self.is_logger:
+            write_config(self.cfg, self.run_dir)
+            self.sink = sinks.MetricsLog(self.run_dir, self.step, self.cfg.logging.tensorboard)
+            self._announce()
+        self.preemption.clear_marker()
+        self.window = Window()
+
+    def advance(self) -> bool:
+        """One training step and whatever is due after it; True when the run must stop here (cleanly)."""
+        cfg = self.cfg
+        start = time.perf_counter()
+        result = step.train_step(cfg, self.model, self.optimizer, self.scheduler, self.train_iters, self.forward_step, self.device)
+        self.window.add(result, time.perf_counter() - start)
+        self.step += 1
+        self.consumed_samples += cfg.train.global_batch_size
+        self._stop_if_diverged(result)
+        if self._periodic(result, self.window):
+            self.window = Window()
+        if self._due(cfg.checkpoint.save_interval):
+            self.save()
+        if self.preemption.requested(self.step):
+            self.save()
+            self.preemption.mark_preempted(self.step)
+            self._say(f"preempted: checkpoint at step {self.step} written, exiting for a requeue")
+            return True
+        if self._exit_now():
+            self.save()
+            self._say(f"train.exit_interval={cfg.train.exit_interval}: stopping at step {self.step} (checkpoint written)")
+            return True
+        return False
+
+    def _exit_now(self) -> bool:
+        every = self.cfg.train.exit_interval
+        return bool(every) and self.step % every == 0 and self.step < self.cfg.train.train_iters
+
+    def _due(self, interval: int) -> bool:
+        return interval > 0 and (self.step % interval == 0 or self.step == self.cfg.train.train_iters)
+
+    def _periodic(self, result: step.StepResult, window: Window) -> Dict[str, Any]:
+        """Log every ``log_interval`` steps, evaluate every ``eval_interval``; returns the logged record."""
+        cfg = self.cfg
+        data: Dict[str, Any] = {}
+        if self._due(cfg.logging.log_interval):
+            data.update(self._train_metrics(result, window))
+        if self._due(cfg.logging.eval_interval) and cfg.logging.eval_iters > 0 and self.valid_ds is not None:
+            data["val_loss"] = self.evaluate()
+        if data and self.sink is not None:
+            self.sink.log(self.step, data)
+            self._print(data)
+        return data
+
+    def _train_metrics(self, result: step.StepResult, window: Window) -> Dict[str, Any]:
+        step_time = window.seconds / max(1, len(window.losses))
+        mfu = metrics.mfu(self.cfg, step_time)
+        return {
+            "loss": sum(window.losses) / len(window.losses),
+            "lr": result.lr,
+            "grad_norm": result.grad_norm,
+            "tokens_per_sec": metrics.tokens_per_step(self.cfg) / step_time if step_time > 0 else 0.0,
+            "step_time_s": step_time,
+            "mfu": mfu if mfu is not None else "n/a",
+            "peak_mem_gib": metrics.max_over_ranks(metrics.peak_memory_gib()),
+            "tokens": result.num_tokens,
+            "skipped_steps": window.skipped,
+        }
+
+    def evaluate(self) -> float:
+        """Validation loss over the same first ``eval_iters`` global batches every time (comparable curve)."""
+        iterators = self._iterators(self.valid_ds, 0)
+        return step.evaluate(self.cfg, self.model, iterators, self.forward_step, self.device, self.cfg.logging.eval_iters)
+
+    def _stop_if_diverged(self, result: step.StepResult) -> None:
+        bad = [
+            name
+            for name, value in (("loss", result.loss), ("grad_norm", result.grad_norm))
+            if value is not None and not math.isfinite(value)
+        ]
+        if not bad or not self.cfg.train.exit_on_nan:
+            return
+        if self.sink is not None:
+            self.sink.log(self.step, {"loss": result.loss, "grad_norm": result.grad_norm, "diverged": True})
+        latest = checkpointing.latest(self.cfg)
+        kept = f"the last good checkpoint is kept: {latest}" if latest else "no checkpoint was written before it"
+        raise TrainingDiverged(
+            f"training diverged at step {self.step}: {' and '.join(bad)} = "
+            f"{result.loss if 'loss' in bad else result.grad_norm} (not a finite number); {kept}",
+            fix="lower optimizer.lr, raise optimizer.lr_warmup_iters, keep optimizer.clip_grad > 0, or use "
+            "precision=bf16/fp32 instead of fp16; the next start resumes from the kept checkpoint",
+        )
+
+    def save(self) -> None:
+        """A checkpoint of the current step (once per step, and only when checkpoint.save is on)."""
+        if not self.cfg.checkpoint.save or self.last_saved == self.step:
+            return
+        self.last_saved = self.step
+        checkpointing.save(self.cfg, self.step, self.consumed_samples, self.model, self.optimizer, self.scheduler)
+
+    # ----- output -------------------------------------------------------------------------------
+    def _say(self, text: str) -> None:
+        if self.is_logger:
+            print(text, flush=True)
+
+    def _announce(self) -> None:
+        cfg, p = self.cfg, self.cfg.parallel
+        n_params = sum(param.numel() for chunk in self.model for param in chunk.parameters())
+        layout = f"TP={p.tp} PP={p.pp}{f' VPP={p.vpp}' if p.vpp else ''} CP={p.cp} EP={p.ep} DP={derived.data_parallel_size(cfg)}"
+        meta = {
+            "recipe": cfg.run.name,
+            "layout": layout,
+            "world_size": self.runtime.world_size,
+            "backend": self.runtime.backend,
+            "cpu_lane": self.runtime.cpu_lane,
+            "params_on_rank0": n_params,
+            "flops_per_step": metrics.flops_per_step(cfg),
+            "start_step": self.step,
+        }
+        self.sink.metadata("run", meta)
+        lane = " (CPU lane: megatron-core on CPU over gloo)" if self.runtime.cpu_lane else ""
+        self._say(
+            f"training {cfg.model.name}: {layout} on {self.runtime.world_size} rank(s){lane}; "
+            f"{n_params:,} parameters on rank 0; steps {self.step} -> {cfg.train.train_iters}; run dir {self.run_dir}"
+        )
+
+    def _print(self, data: Dict[str, Any]) -> None:
+        parts = [f"step {self.step:>6}/{self.cfg.train.train_iters}"]
+        fmt = {"loss": "{:.4f}", "val_loss": "{:.4f}", "lr": "{:.3e}", "grad_norm": "{:.3f}", "tokens_per_sec": "{:,.0f}"}
+        for key, spec in fmt.items():
+            if isinstance(data.get(key), (int, float)):
+                parts.append(f"{key} {spec.format(data[key])}")
+        if "step_time_s" in data:
+            parts.append(f"step {data['step_time_s'] * 1000:.0f} ms")
+            mfu = data["mfu"]
+            parts.append(f"MFU {mfu:.1%}" if isinstance(mfu, float) else "MFU n/a")
+            parts.append(f"peak mem {data['peak_mem_gib']:.2f} GiB")
+        self._say(" | ".join(parts))
+
+    def _finish(self) -> None:
+        if not self.is_logger:
+            return
+        self.sink.close()
+        if self.cfg.logging.plot:
+            sinks.plot_losses(
+                self.run_dir / sinks.LOG_NAME, self.run_dir / sinks.PLOT_NAME, title=self.cfg.run.name, baseline=self.entropy
+            )
+        records = sinks.step_records(self.run_dir / sinks.LOG_NAME)
+        losses = [r["data"]["loss"] for r in records if isinstance(r["data"].get("loss"), (int, float))]
+        vals = [r["data"]["val_loss"] for r in records if isinstance(r["data"].get("val_loss"), (int, float))]
+        lines = [f"done: {self.step} steps; run dir {self.run_dir}"]
+        if losses:
+            lines.append(f"  train loss: first logged {losses[0]:.4f} -> last logged {losses[-1]:.4f} nats/token")
+        if vals:
+            lines.append(f"  validation loss: {vals[-1]:.4f} nats/token")
+        if self.entropy is not None:
+            lines.append(f"  unigram entropy of the corpus: {self.entropy:.4f} nats/token (a model ignoring context)")
+        latest = checkpointing.latest(self.cfg)
+        if latest:
+            lines.append(f"  checkpoint: {latest}")
+        if (self.run_dir / sinks.PLOT_NAME).is_file():
+            lines.append(f"  loss curve: {self.run_dir / sinks.PLOT_NAME}")
+        self._say("\n".join(lines))
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
+        self.preemption.uninstall()
+
+
+def run(cfg: RunConfig, recipe: str = "recipe") -> int:
+    """Train ``cfg`` on this rank (called once per rank, under torchrun or as a single process)."""
+    validate(cfg, recipe)
+    runtime = distributed.init_model_parallel(cfg)
+    trainer = Trainer(cfg, runtime)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+        distributed.shutdown()

@@ -1,0 +1,139 @@
+"""Model wrapping, optimizer and LR schedule: the recipe's settings through megatron-core's own classes.
+
+DDP (``DistributedDataParallelConfig``), ``get_megatron_optimizer`` (Adam or SGD, optionally the
+distributed optimizer) and ``OptimizerParamScheduler`` do the work; this module only maps recipe fields
+onto them, in one place, so the trainer and the benchmark's reference loop build identical state.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List
+
+import torch
+
+from megatron_recipes.config import derived
+from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.models.transformer_config import params_dtype
+from megatron_recipes.training import mcore_fixes
+
+_DECAY_STYLES = ("cosine", "linear", "constant")
+
+
+def wrap_model(cfg: RunConfig, chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
+    """Float16Module (bf16/fp16, as Megatron-LM does) and megatron-core DDP around each model chunk."""
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    config = chunks[0].config
+    for chunk in chunks:
+        for param in chunk.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    if config.bf16 or config.fp16:
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
+    p = cfg.parallel
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=cfg.precision.grad_reduce_in_fp32,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
+        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        average_in_collective=False,  # per-token loss: finalize_model_grads divides by the token count
+    )
+    # Only the first chunk buckets its grads (later chunks' reduce would otherwise fire too early).
+    return [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def configure_schedule_hooks(model: List[torch.nn.Module]) -> None:
+    """The hooks megatron-core's pipeline schedules call: grad sync control and final grad reduction."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config = model[0].config
+    no_sync = [chunk.no_sync for chunk in model]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    if cfg_overlaps(model):
+        grad_sync = [chunk.start_grad_sync for chunk in model]
+        config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
+        if model[0].ddp_config.overlap_param_gather:
+            param_sync = [chunk.start_param_sync for chunk in model]
+            config.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
+
+
+def cfg_overlaps(model: List[torch.nn.Module]) -> bool:
+    return bool(model[0].ddp_config.overlap_grad_reduce)
+
+
+def optimizer_config(cfg: RunConfig):
+    """RunConfig -> megatron-core ``OptimizerConfig``.
+
+    ``optimizer.clip_grad=0`` means "do not clip"; the norm is still computed (max norm = inf) so every
+    step can log it.
+    """
+    from megatron.core.optimizer import OptimizerConfig
+
+    o, prec = cfg.optimizer, cfg.precision
+    if o.name not in ("adam", "sgd"):
+        raise RecipeError(f"optimizer.name={o.name!r} is not supported", fix="use optimizer=adam or optimizer=sgd")
+    if o.name == "sgd" and o.use_distributed_optimizer:
+        raise RecipeError(
+            "optimizer.name=sgd with optimizer.use_distributed_optimizer=true: megatron-core's distributed "
+            "optimizer shards Adam state only",
+            fix="set optimizer.use_distributed_optimizer=false (or use optimizer=adam)",
+        )
+    return OptimizerConfig(
+        optimizer=o.name,
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        sgd_momentum=o.sgd_momentum,
+        clip_grad=o.clip_grad if o.clip_grad > 0 else math.inf,
+        bf16=prec.params_dtype == "bf16",
+        fp16=prec.params_dtype == "fp16",
+        params_dtype=params_dtype(cfg),
+        use_distributed_optimizer=o.use_distributed_optimizer,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
+    )
+
+
+def build_optimizer(cfg: RunConfig, model: List[torch.nn.Module]):
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(optimizer_config(cfg), model)
+    mcore_fixes.allocate_torch_adam_state(optimizer)
+    mcore_fixes.keep_step_on_reshardable_load()
+    return optimizer
+
+
+def build_scheduler(cfg: RunConfig, optimizer):
+    """Warm-up then cosine/linear/constant decay, counted in optimizer steps (not samples)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o = cfg.optimizer
+    if o.lr_decay_style not in _DECAY_STYLES:
+        raise RecipeError(
+            f"optimizer.lr_decay_style={o.lr_decay_style!r} is not supported", fix=f"use one of {', '.join(_DECAY_STYLES)}"
+        )
+    decay = max(derived.lr_decay_iters(cfg), o.lr_warmup_iters + 1)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if o.lr_warmup_iters > 0 else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr if o.lr_decay_style != "constant" else o.lr,
+        lr_warmup_steps=o.lr_warmup_iters,
+        lr_decay_steps=decay,
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=decay,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+    )

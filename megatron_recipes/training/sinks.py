@@ -1,0 +1,214 @@
+"""Where metrics go: ``log.jsonl`` (DLLogger records), TensorBoard when installed, the console, a PNG.
+
+``log.jsonl`` holds one JSON object per line in DLLogger's record layout (``timestamp``, ``datetime``,
+``elapsedtime``, ``type``, ``step``, ``data``). When ``dllogger`` is importable its ``Logger`` drives
+the writing through a backend of ours; DLLogger's own ``JSONStreamBackend`` prefixes every line with
+``DLLL ``, which would make the file not JSON-lines, so the backend is ours either way. Only rank 0
+writes; on resume the lines after the resumed step are dropped, so the file tells one history.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+LOG_NAME = "log.jsonl"
+PLOT_NAME = "loss.png"
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/Inf: write them as strings so every line still parses."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class JsonlBackend:
+    """A DLLogger backend (also usable alone) writing one DLLogger record per line, flushed each time."""
+
+    def __init__(self, path: Path, append: bool) -> None:
+        self.verbosity = 0
+        self.file = open(path, "a" if append else "w", encoding="utf-8")
+
+    def _write(self, record: Dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def log(self, timestamp: datetime, elapsedtime: float, step: Any, data: Dict[str, Any]) -> None:
+        self._write(
+            dict(
+                timestamp=str(timestamp.timestamp()),
+                datetime=str(timestamp),
+                elapsedtime=str(elapsedtime),
+                type="LOG",
+                step=step,
+                data={k: _clean(v) for k, v in data.items()},
+            )
+        )
+
+    def metadata(self, timestamp: datetime, elapsedtime: float, metric: str, metadata: Dict[str, Any]) -> None:
+        self._write(
+            dict(
+                timestamp=str(timestamp.timestamp()),
+                datetime=str(timestamp),
+                elapsedtime=str(elapsedtime),
+                type="METADATA",
+                metric=metric,
+                metadata=metadata,
+            )
+        )
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class _PlainLogger:
+    """DLLogger's ``Logger`` interface for when dllogger is not installed."""
+
+    def __init__(self, backends: List[JsonlBackend]) -> None:
+        self.backends = backends
+        self.start = datetime.now()
+
+    def log(self, step: Any, data: Dict[str, Any], verbosity: int = 0) -> None:
+        now = datetime.now()
+        for b in self.backends:
+            b.log(now, (now - self.start).total_seconds(), step, data)
+
+    def metadata(self, metric: str, metadata: Dict[str, Any]) -> None:
+        now = datetime.now()
+        for b in self.backends:
+            b.metadata(now, (now - self.start).total_seconds(), metric, metadata)
+
+
+def _dllogger(backends: List[JsonlBackend]):
+    try:
+        import dllogger
+    except ImportError:
+        return _PlainLogger(backends)
+    return dllogger.Logger(backends)
+
+
+def read_log(path: Path) -> List[Dict[str, Any]]:
+    """Every record of a ``log.jsonl`` (also accepts DLLogger's ``DLLL ``-prefixed lines)."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line.startswith("DLLL "):
+            line = line[5:]
+        if line:
+            records.append(json.loads(line))
+    return records
+
+
+def step_records(path: Path) -> List[Dict[str, Any]]:
+    """Training-step LOG records (integer ``step``), in file order."""
+    return [r for r in read_log(path) if r.get("type") == "LOG" and isinstance(r.get("step"), int)]
+
+
+def _line_step(line: str) -> Optional[int]:
+    step = json.loads(line.removeprefix("DLLL ")).get("step")
+    return step if isinstance(step, int) else None
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop step records after ``step`` (a resumed run repeats them); atomic rewrite."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    keep = [line for line in lines if (_line_step(line) or 0) <= step]
+    tmp = path.with_name(".tmp-" + path.name)
+    tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class _TensorBoard:
+    def __init__(self, folder: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(folder))
+
+    def log(self, step: int, data: Dict[str, Any]) -> None:
+        for key, value in data.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _tensorboard(folder: Path) -> Optional[_TensorBoard]:
+    try:
+        return _TensorBoard(folder)
+    except ImportError:  # tensorboard is an optional extra
+        return None
+
+
+class MetricsLog:
+    """Rank 0's sinks for one run directory."""
+
+    def __init__(self, run_dir: Path, resume_step: int, tensorboard: bool) -> None:
+        self.path = run_dir / LOG_NAME
+        if resume_step > 0:
+            truncate_after(self.path, resume_step)
+        self.backend = JsonlBackend(self.path, append=resume_step > 0)
+        self.logger = _dllogger([self.backend])
+        self.tb = _tensorboard(run_dir / "tensorboard") if tensorboard else None
+
+    def metadata(self, metric: str, metadata: Dict[str, Any]) -> None:
+        self.logger.metadata(metric, metadata)
+
+    def log(self, step: Any, data: Dict[str, Any]) -> None:
+        self.logger.log(step=step, data=data, verbosity=0)
+        if self.tb is not None and isinstance(step, int):
+            self.tb.log(step, data)
+
+    def close(self) -> None:
+        self.backend.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def plot_losses(log_path: Path, out_path: Path, title: str = "", baseline: Optional[float] = None) -> Optional[Path]:
+    """Training (and validation) loss against step, from ``log.jsonl``; written atomically.
+
+    ``baseline``: a reference loss drawn as a dashed line (the corpus' unigram entropy: what a model
+    that ignores context would reach)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, valid = [], []
+    for rec in step_records(log_path):
+        data = rec["data"]
+        if isinstance(data.get("loss"), (int, float)):
+            train.append((rec["step"], data["loss"]))
+        if isinstance(data.get("val_loss"), (int, float)):
+            valid.append((rec["step"], data["val_loss"]))
+    if not train:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    ax.plot(*zip(*train), label="train loss")
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="validation loss")
+    if baseline is not None:
+        ax.axhline(baseline, linestyle="--", color="gray", label=f"unigram entropy ({baseline:.2f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = out_path.with_name(".tmp-" + out_path.name)
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    os.replace(tmp, out_path)
+    return out_path

@@ -1,0 +1,149 @@
+"""One training step and one evaluation pass through megatron-core's pipeline schedules.
+
+The loss is per token: the loss function returns ``(loss_sum, num_tokens, report)``, megatron-core's
+``finalize_model_grads`` divides the gradients by the token count of the whole global batch, and the
+reported loss is ``sum(loss) / sum(tokens)`` over microbatches and data-parallel ranks. Packed and
+unpacked batches of the same tokens therefore give the same loss and the same gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from megatron_recipes.config import derived
+from megatron_recipes.config.schema import RunConfig
+
+LOSS_KEY = "lm loss"
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean per-token loss of the global batch (same value on every rank)
+    num_tokens: int  # loss-bearing tokens in the global batch
+    grad_norm: Optional[float] = None
+    lr: Optional[float] = None
+    skipped: bool = False  # the optimizer refused the update (inf/nan grads under fp16 loss scaling)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of masked per-token losses and the token count; megatron-core normalises by the global count."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach().double(), num_tokens.detach().double()])
+    return loss_sum, num_tokens, {LOSS_KEY: report}
+
+
+def _chunk_stages(model: torch.nn.Module):
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_attr_wrapped_model
+
+    vp_stage = get_attr_wrapped_model(model, "vp_stage", allow_none=True)
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return first, last
+
+
+def _attention_inputs(batch: Dict[str, torch.Tensor], device: torch.device, use_te: bool) -> Dict[str, Any]:
+    """Causal attention needs no mask; packed sequences need a block mask (local spec) or cu_seqlens (TE)."""
+    segments = batch.get("segment_ids")
+    if segments is None:
+        return {"attention_mask": None}
+    from megatron_recipes.data import attention
+
+    segments = segments.to(device, non_blocking=True)
+    if use_te:
+        return {"attention_mask": None, "packed_seq_params": attention.packed_seq_params(segments)}
+    return {"attention_mask": attention.packed_attention_mask(segments)}
+
+
+def make_forward_step(device: torch.device, use_te: bool):
+    """The ``forward_step_func`` the schedules call once per microbatch and model chunk.
+
+    Every chunk reads its own iterator on every microbatch (so all iterators stay at the same sample),
+    but only moves to the device what its stage uses: tokens on the first stage, labels on the last.
+    """
+
+    def forward_step(data_iterator: Iterator[Dict[str, torch.Tensor]], model: torch.nn.Module):
+        batch = next(data_iterator)
+        first, last = _chunk_stages(model)
+        tokens = batch["tokens"].to(device, non_blocking=True) if first else None
+        position_ids = batch["position_ids"].to(device, non_blocking=True) if first else None
+        labels = batch["labels"].to(device, non_blocking=True) if last else None
+        loss_mask = batch["loss_mask"].to(device, non_blocking=True) if last else None
+        output = model(tokens, position_ids, labels=labels, **_attention_inputs(batch, device, use_te))
+        return output, partial(loss_func, loss_mask)
+
+    return forward_step
+
+
+def _reduce_losses(losses: Sequence[Dict[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """[loss_sum, tokens] over microbatches, then data-parallel ranks, then copied to every pipeline stage."""
+    from megatron.core import parallel_state
+
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        for item in losses:
+            total += item[LOSS_KEY].to(device)
+    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # only the last stage holds non-zeros
+        torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    return total
+
+
+def _run_schedule(cfg: RunConfig, model: List[torch.nn.Module], iterators, forward_step, forward_only: bool):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    t = cfg.train
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(model) > 1 else iterators[0],
+        model=model,
+        num_microbatches=derived.num_microbatches(cfg),
+        seq_length=t.seq_length,
+        micro_batch_size=t.micro_batch_size,
+        decoder_seq_length=t.seq_length,
+        forward_only=forward_only,
+    )
+
+
+def train_step(cfg: RunConfig, model, optimizer, scheduler, iterators, forward_step, device) -> StepResult:
+    """Zero grads, forward/backward every microbatch (1F1B or interleaved), reduce grads, step."""
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = _run_schedule(cfg, model, iterators, forward_step, forward_only=False)
+    lr = float(optimizer.param_groups[0]["lr"])  # the rate this step applies (the scheduler moves it after)
+    updated, grad_norm, _ = optimizer.step()
+    if updated:
+        scheduler.step(increment=1)
+    loss_sum, tokens = _reduce_losses(losses, device).tolist()
+    return StepResult(
+        loss=loss_sum / max(tokens, 1.0),
+        num_tokens=int(tokens),
+        grad_norm=float(grad_norm) if grad_norm is not None else None,
+        lr=lr,
+        skipped=not updated,
+    )
+
+
+@torch.no_grad()
+def evaluate(cfg: RunConfig, model, iterators, forward_step, device, num_iters: int) -> float:
+    """Mean per-token loss over ``num_iters`` global batches, forward only."""
+    for chunk in model:
+        chunk.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    try:
+        for _ in range(num_iters):
+            losses = _run_schedule(cfg, model, iterators, forward_step, forward_only=True)
+            total += _reduce_losses(losses, device)
+    finally:
+        for chunk in model:
+            chunk.train()
+    loss_sum, tokens = total.tolist()
+    return loss_sum / max(tokens, 1.0)

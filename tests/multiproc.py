@@ -1,0 +1,94 @@
+"""Run a function on N gloo ranks as real processes and collect what each rank returns.
+
+Why: multi-rank tests must exercise real process groups (megatron-core collectives, checkpoint writers
+that fork), and a failing or hung rank must fail the test with that rank's traceback instead of hanging
+CI. Each rank is a fresh ``spawn`` process with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set,
+one intra-op thread (CI machines have few cores), and its process group torn down at exit.
+
+    results = run_ranks(my_rank_fn, 2, arg1, arg2)   # [rank0_result, rank1_result]
+
+``my_rank_fn`` must be a module-level function (spawn pickles it by name) and return picklable values.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.multiprocessing as mp
+
+from megatron_recipes.runtime.distributed import free_port
+
+
+class RankFailed(AssertionError):
+    """A rank raised, died, or did not finish in time."""
+
+
+def _rank_entry(fn, rank: int, world: int, port: int, env: Dict[str, str], args: tuple, results) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    try:
+        value = fn(*args)
+        buffer = io.BytesIO()
+        torch.save(value, buffer)  # plain bytes: torch's queue would share tensors via fds that die with the rank
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:  # reported to the parent with the traceback, which fails the test
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            from megatron_recipes.runtime import distributed
+
+            distributed.shutdown()
+        except Exception:
+            pass
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0, env: Optional[Dict[str, str]] = None
+) -> List[Any]:
+    """``fn(*args)`` on ``world_size`` ranks; per-rank return values, or RankFailed naming the rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        # Not daemonic: megatron-core's checkpoint writer forks worker processes from each rank.
+        ctx.Process(target=_rank_entry, args=(fn, rank, world_size, port, dict(env or {}), args, results))
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outputs: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in outputs and p.exitcode is not None]
+                if dead:
+                    time.sleep(1.0)  # its result may still be in flight
+                    if results.empty():
+                        codes = [procs[r].exitcode for r in dead]
+                        raise RankFailed(f"rank(s) {dead} exited (codes {codes}) without a result")
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(world_size) if r not in outputs]
+                    raise RankFailed(f"rank(s) {missing} did not finish within {timeout:.0f}s")
+                continue
+            if not ok:
+                raise RankFailed(f"rank {rank} failed:\n{value}")
+            outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30 if len(outputs) == world_size else 1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [outputs[r] for r in range(world_size)]

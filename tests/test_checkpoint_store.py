@@ -1,0 +1,173 @@
+"""Checkpoint folder rules without processes: completeness, find_latest, retention, identity checks.
+
+Folders here are built by hand (megatron-core's files as empty stand-ins) to reach states a real save
+leaves only when killed at a precise moment; test_checkpoint_errors/_kill cover real saves.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.training import checkpoint_identity as identity
+from megatron_recipes.training import checkpoint_io as io
+from megatron_recipes.training import checkpoint_store as store
+
+
+def _fake(root: Path, step: int, *, name=None, meta=True, complete=True, mcore=store.MCORE_FILES) -> Path:
+    path = root / (name or f"iter_{step:07d}")
+    path.mkdir(parents=True)
+    for f in mcore:
+        (path / f).write_bytes(b"x")
+    if meta:
+        body = {"format": store.FORMAT, "format_version": store.FORMAT_VERSION, "complete": complete, "step": step}
+        (path / store.META).write_text(json.dumps(body))
+    return path
+
+
+def test_find_latest_takes_only_complete_folders(tmp_path):
+    assert store.find_latest(tmp_path / "nothing-here") is None
+    assert store.find_latest(tmp_path) is None
+    _fake(tmp_path, 100)
+    good = _fake(tmp_path, 200)
+    _fake(tmp_path, 300, name="iter_0000300.incomplete")  # killed after meta, before the rename
+    _fake(tmp_path, 400, meta=False)  # killed mid-write
+    _fake(tmp_path, 500, mcore=("common.pt",))  # megatron-core's index never written
+    _fake(tmp_path, 600, complete=False)
+    _fake(tmp_path, 700, name="iter_0000701")  # name and meta disagree
+    _fake(tmp_path, 800, name="iter_0000800.deleting")
+    store.write_tracker(tmp_path, 500)  # a tracker that names a broken folder is not trusted either
+    assert store.find_latest(tmp_path) == good
+    assert [s for s, _ in store.complete_checkpoints(tmp_path)] == [100, 200]
+
+
+def test_find_latest_prefers_newest_complete_over_stale_tracker(tmp_path):
+    _fake(tmp_path, 100)
+    newest = _fake(tmp_path, 200)  # renamed into place, then killed before the tracker update
+    store.write_tracker(tmp_path, 100)
+    assert store.find_latest(tmp_path) == newest
+
+
+def test_prune_keeps_last_k_and_drops_leftovers(tmp_path):
+    for step in (1, 2, 3, 4, 5):
+        _fake(tmp_path, step)
+    _fake(tmp_path, 6, name="iter_0000006.incomplete", meta=False)
+    _fake(tmp_path, 0, name="iter_0000000.deleting")
+    removed = store.prune(tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000004", "iter_0000005"]
+    assert len(removed) == 5
+    store.prune(tmp_path, keep_last=0)  # 0 keeps every complete checkpoint
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_publish_replaces_an_older_save_of_the_same_step(tmp_path):
+    old = _fake(tmp_path, 7)
+    (old / "stale").write_text("old")
+    staging = store.prepare_staging(tmp_path, 7)
+    for f in store.MCORE_FILES:
+        (staging / f).write_bytes(b"new")
+    (staging / store.META).write_text(json.dumps({"format": store.FORMAT, "complete": True, "step": 7}))
+    store.publish(staging, store.iter_dir(tmp_path, 7))
+    assert not staging.exists() and not (old / "stale").exists()
+    assert store.is_complete(store.iter_dir(tmp_path, 7))
+
+
+def test_resolve_dir_errors_name_the_problem(tmp_path):
+    with pytest.raises(RecipeError, match="does not exist"):
+        store.resolve_dir(tmp_path / "missing")
+    with pytest.raises(RecipeError, match="no complete checkpoint"):
+        store.resolve_dir(tmp_path)
+    broken = _fake(tmp_path, 3, mcore=("common.pt",))
+    with pytest.raises(RecipeError, match=r"missing: metadata\.json, \.metadata"):
+        store.resolve_dir(broken)
+    staging = _fake(tmp_path, 4, name="iter_0000004.incomplete")
+    with pytest.raises(RecipeError, match="did not finish"):
+        store.resolve_dir(staging)
+    good = _fake(tmp_path, 2)
+    assert store.resolve_dir(good) == good
+    assert store.resolve_dir(tmp_path) == good  # a checkpoints root resolves to its latest complete folder
+
+
+def test_meta_must_be_ours_and_readable(tmp_path):
+    bad = tmp_path / "iter_0000001"
+    bad.mkdir()
+    (bad / store.META).write_text("{not json")
+    with pytest.raises(RecipeError, match="cannot be read"):
+        store.read_meta(bad)
+    (bad / store.META).write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(RecipeError, match="not a megatron-recipes checkpoint"):
+        store.read_meta(bad)
+    (bad / store.META).write_text(json.dumps({"format": store.FORMAT, "format_version": 99}))
+    with pytest.raises(RecipeError, match="upgrade"):
+        store.read_meta(bad)
+
+
+def test_write_atomic_leaves_no_temp_files(tmp_path):
+    target = tmp_path / "latest_checkpointed_iteration.txt"
+    store.write_tracker(tmp_path, 5)
+    store.write_tracker(tmp_path, 6)
+    assert target.read_text() == "6\n" and store.read_tracker(tmp_path) == 6
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]
+
+
+def test_state_must_reload_with_weights_only():
+    io.check_plain({"step": 3, "consumed": 12, "data": {"offsets": [1, 2], "t": torch.ones(2)}, "none": None})
+    with pytest.raises(RecipeError, match=r"state\['rng'\]\['numpy'\] holds a numpy.ndarray"):
+        io.check_plain({"rng": {"numpy": np.zeros(3)}})
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    from megatron_recipes.config.compose import compose_recipe
+
+    return compose_recipe("tiny_llama_cpu", ["run.dir=unused"])
+
+
+def _meta_of(cfg_):
+    return {"fingerprint": identity.model_fingerprint(cfg_), "layout": identity.layout(cfg_)}
+
+
+def test_fingerprint_names_every_differing_field(cfg):
+    import copy
+
+    other = copy.deepcopy(cfg)
+    other.model.hidden_size *= 2
+    other.model.num_layers += 1
+    other.model.name, other.model.family, other.model.init_method_std = "renamed", "mistral", 0.5  # not weights
+    with pytest.raises(RecipeError) as err:
+        identity.check_same_model(_meta_of(cfg), other, "ckpt")
+    message = str(err.value)
+    assert "model.hidden_size: checkpoint 128, recipe 256" in message
+    assert "model.num_layers: checkpoint 4, recipe 5" in message
+    assert "2 field(s) differ" in message
+    relabelled = copy.deepcopy(cfg)
+    relabelled.model.name = "renamed"
+    relabelled.parallel.tp = 1  # another layout of the same model is fine
+    identity.check_same_model(_meta_of(cfg), relabelled, "ckpt")
+
+
+def test_padded_vocabulary_mismatch_suggests_a_divisor(cfg):
+    import copy
+
+    saved = copy.deepcopy(cfg)
+    saved.model.vocab_size = 300  # TP=2 pads to a multiple of 256 -> 512 rows
+    now = copy.deepcopy(saved)
+    now.parallel.tp = 1  # TP=1 pads to a multiple of 128 -> 384 rows
+    with pytest.raises(RecipeError) as err:
+        identity.check_same_model(_meta_of(saved), now, "ckpt")
+    assert "512 embedding rows" in str(err.value) and "384" in str(err.value)
+    assert err.value.fix.startswith("set model.make_vocab_size_divisible_by=256")
+    now.model.make_vocab_size_divisible_by = 256
+    identity.check_same_model(_meta_of(saved), now, "ckpt")
+
+
+def test_rng_is_restored_only_on_the_same_ranks(cfg):
+    lay = identity.layout(cfg)
+    assert identity.same_ranks(lay, dict(lay))
+    assert not identity.same_ranks(lay, dict(lay, tp=1, dp=2))
+    assert identity.model_parallel_changed(lay, dict(lay, pp=2)) == ["pp: 1 -> 2"]

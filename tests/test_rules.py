@@ -1,0 +1,208 @@
+"""Every validation rule has a recipe that breaks it and a nearby recipe that passes every rule.
+
+Cases are composed through Hydra (the way users write them), validated, and checked by rule id. A rule
+added to the table without a case here fails ``test_every_rule_has_a_case``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Dict, List, Tuple
+
+import pytest
+
+from megatron_recipes.config.compose import compose_recipe
+from megatron_recipes.config.errors import ValidationError
+from megatron_recipes.config.rules import RULES, rules_by_id
+from megatron_recipes.config.validate import validate, validate_or_raise
+
+TINY = "tiny_llama_cpu"  # CPU lane, TP2 over 2 ranks, fp32, built-in data
+MOE = ("model=tiny_moe", "parallel=none")  # on TINY: 4 experts top-2 over 2 ranks
+L70 = "llama3_70b_pretrain"  # 8 H100 nodes, TP4 PP4 VPP5 CP2
+MIX = "mixtral_8x7b_pretrain"  # 8 H100 nodes, PP4 VPP8 EP8
+DSV3 = "deepseek_v3_pretrain"  # 128 H100 nodes, TP2 PP16 EP64 (inter-node, allowed)
+PT = "checkpoint.pretrained=base_ckpt"  # PEFT needs a base checkpoint
+GB200 = ("cluster=gb200_nvl72", "cluster.nodes=16")
+PP2 = ("parallel.tp=1", "parallel.pp=2")
+
+Case = Tuple[str, Tuple[str, ...], Tuple[str, ...]]  # recipe, failing overrides, passing overrides
+
+CASES: Dict[str, Case] = {
+    "layout.degrees_positive": (TINY, ("parallel.tp=0",), ()),
+    "layout.world_factorisation": (TINY, ("cluster.gpus_per_node=3",), ()),
+    "layout.expert_factorisation": (TINY, MOE + ("parallel.ep=4",), MOE + ("parallel.ep=2",)),
+    "tp.attention_heads": (TINY, ("parallel.tp=3", "cluster.gpus_per_node=3", "train.global_batch_size=24"), ()),
+    "tp.query_groups": (TINY, ("parallel.tp=4", "cluster.gpus_per_node=4", "train.global_batch_size=32"), ()),
+    "tp.ffn_hidden": (TINY, ("model.ffn_hidden_size=385",), ("model.ffn_hidden_size=386",)),
+    "tp.nvlink_domain": (L70, ("parallel.tp=16",), ()),
+    "sp.needs_tp": (TINY, ("parallel.tp=1", "parallel.sp=true"), ("parallel.sp=true",)),
+    "sp.sequence_divisible": (TINY, ("parallel.sp=true", "train.seq_length=129"), ("parallel.sp=true", "train.seq_length=130")),
+    "pp.layer_split": (TINY, PP2 + ("parallel.vpp=4",), PP2 + ("parallel.vpp=2",)),
+    "pp.vpp_value": (TINY, ("parallel.vpp=2",), PP2 + ("parallel.vpp=2",)),
+    "pp.interleaved_microbatches": (TINY, PP2 + ("parallel.vpp=2", "train.global_batch_size=24"), PP2 + ("parallel.vpp=2", "train.global_batch_size=32")),
+    "pp.pipeline_fill": (TINY, PP2 + ("train.global_batch_size=8",), PP2),
+    "cp.sequence_divisible": (L70, ("train.seq_length=8190",), ("train.seq_length=8184",)),
+    "cp.comm_type": (TINY, ("parallel.cp_comm_type=ring",), ("parallel.cp_comm_type=a2a",)),
+    "cp.a2a_heads": (L70, ("parallel.cp_comm_type=a2a", "parallel.tp=8", "parallel.cp=4", "parallel.pp=2"), ("parallel.cp_comm_type=a2a",)),
+    "cp.needs_te_attention": (TINY, ("parallel.tp=1", "parallel.cp=2"), ()),
+    "cluster.nvlink_domain_shape": (TINY, ("cluster.nvlink_domain=3",), ("cluster.nvlink_domain=4",)),
+    "model.query_groups_divide_heads": (TINY, ("model.num_query_groups=3",), ("model.num_query_groups=4",)),
+    "model.head_dim": (
+        TINY,
+        ("parallel=none", "model.num_attention_heads=6", "model.num_query_groups=6"),
+        ("parallel=none", "model.num_attention_heads=6", "model.num_query_groups=6", "model.kv_channels=16"),
+    ),
+    "model.sequence_within_context": (TINY, ("train.seq_length=1024",), ("train.seq_length=512",)),
+    "model.option_values": (TINY, ("model.activation=relu",), ("model.activation=gelu",)),
+    "model.rope_settings": (TINY, ("model.rotary_percent=1.5",), ("model.rotary_percent=0.5",)),
+    "vocab.padding": (TINY, ("model.make_vocab_size_divisible_by=12",), ("model.make_vocab_size_divisible_by=64",)),
+    "vocab.builtin_tokenizer_fits": (TINY, ("data.builtin_vocab_size=8192",), ("data.builtin_vocab_size=2048",)),
+    "mla.fields": (DSV3, ("model.kv_lora_rank=null",), ()),
+    "mla.rope": (DSV3, ("model.position_embedding_type=none",), ()),
+    "mla.no_qkv_bias": (DSV3, ("model.add_qkv_bias=true",), ()),
+    "mla.latent_norms": (DSV3, ("model.qk_layernorm=false",), ()),
+    "moe.ep_needs_experts": (TINY, ("parallel.tp=1", "parallel.ep=2"), MOE + ("parallel.ep=2",)),
+    "moe.settings_need_experts": (TINY, ("model.moe_ffn_hidden_size=256",), MOE),
+    "moe.experts_divisible_by_ep": (MIX, ("parallel.ep=16",), ()),
+    "moe.router_topk": (TINY, MOE + ("model.moe_router_topk=5",), MOE + ("model.moe_router_topk=4",)),
+    "moe.group_routing": (
+        TINY,
+        MOE + ("model.moe_router_num_groups=3", "model.moe_router_group_topk=1"),
+        MOE + ("model.moe_router_num_groups=2", "model.moe_router_group_topk=1"),
+    ),
+    "moe.router_options": (
+        TINY,
+        MOE + ("model.moe_router_enable_expert_bias=true",),
+        MOE + ("model.moe_router_enable_expert_bias=true", "model.moe_router_score_function=sigmoid"),
+    ),
+    "moe.first_dense_layers": (TINY, MOE + ("model.moe_first_dense_layers=4",), MOE + ("model.moe_first_dense_layers=1",)),
+    "moe.tp_needs_sp": (TINY, MOE + ("parallel.tp=2",), MOE + ("parallel.tp=2", "parallel.sp=true")),
+    "etp.expert_ffn": (TINY, MOE + ("parallel.etp=3", "cluster.gpus_per_node=3", "train.global_batch_size=24"), MOE + ("parallel.etp=2",)),
+    "etp.bias_needs_etp1": (
+        TINY,
+        MOE + ("model.add_bias_linear=true", "parallel.tp=2", "parallel.sp=true"),
+        MOE + ("model.add_bias_linear=true", "parallel.tp=2", "parallel.sp=true", "parallel.etp=1"),
+    ),
+    "moe.dispatcher_values": (TINY, MOE + ("parallel.moe_dispatcher=deepep",), MOE + ("parallel.moe_dispatcher=allgather",)),
+    "moe.flex_needs_tp_ep": (MIX, ("parallel.moe_dispatcher=flex", "parallel.ep=1"), ("parallel.moe_dispatcher=flex",)),
+    "moe.flex_needs_gpu": (TINY, MOE + ("parallel.moe_dispatcher=flex", "parallel.ep=2"), MOE + ("parallel.ep=2",)),
+    "moe.allgather_vs_ep": (DSV3, ("parallel.moe_dispatcher=allgather",), ()),
+    "ep.nvlink_domain": (DSV3, ("parallel.allow_inter_node_ep=false",), ()),
+    "etp.nvlink_domain": (MIX, ("parallel.etp=16", "parallel.ep=1"), ("parallel.etp=2", "parallel.ep=4")),
+    "cluster.gpu_arch": (TINY, ("cluster.gpu_arch=volta",), ()),
+    "cluster.memory": (TINY, ("cluster.gpu_memory_gb=0",), ("cluster.gpu_memory_gb=4",)),
+    "precision.values": (TINY, ("precision.params_dtype=fp64",), ("precision=bf16",)),
+    "precision.fp8_needs_hopper": (TINY, ("precision=fp8_delayed",), ()),
+    "precision.mxfp8_needs_blackwell": (L70, ("precision=mxfp8",), ("precision=mxfp8",) + GB200),
+    "precision.nvfp4_needs_blackwell": (L70, ("precision=nvfp4",), ("precision=nvfp4",) + GB200),
+    "precision.fp8_fp4_exclusive": (L70, ("precision=nvfp4", "precision.fp8=e4m3") + GB200, ("precision=fp8_blockwise",)),
+    "precision.low_precision_needs_half_params": (L70, ("precision=fp8_delayed", "precision.params_dtype=fp32"), ("precision=fp8_delayed",)),
+    "precision.fp8_param_gather": (L70, ("precision.fp8_param_gather=true",), ("precision=fp8_delayed", "precision.fp8_param_gather=true")),
+    "precision.fp8_gemm_shapes": (L70, ("precision=fp8_delayed", "model.ffn_hidden_size=28680"), ("precision=fp8_tensorwise",)),
+    "recompute.values": (TINY, ("train.recompute=partial",), ("train.recompute=selective",)),
+    "recompute.num_layers": (TINY, ("train.recompute=full", "train.recompute_num_layers=5"), ("train.recompute=full", "train.recompute_num_layers=4")),
+    "batch.positive": (TINY, ("train.train_iters=0",), ()),
+    "batch.global_divisible": (TINY, ("train.global_batch_size=12",), ("train.global_batch_size=24",)),
+    "optimizer.name": (TINY, ("optimizer.name=lion",), ("optimizer=sgd",)),
+    "optimizer.learning_rate": (TINY, ("optimizer.min_lr=1.0",), ()),
+    "optimizer.schedule": (TINY, ("optimizer.lr_warmup_iters=300",), ("optimizer.lr_warmup_iters=299",)),
+    "optimizer.hyperparameters": (TINY, ("optimizer.adam_beta2=1.0",), ("optimizer.adam_beta2=0.999",)),
+    "optimizer.overlap_needs_distributed": (
+        TINY,
+        ("parallel.overlap_param_gather=true", "optimizer.use_distributed_optimizer=false"),
+        ("parallel.overlap_param_gather=true",),
+    ),
+    "data.kind": (TINY, ("data.kind=parquet",), ("data=mock",)),
+    "data.indexed_needs_blend": (TINY, ("data=indexed",), ("data=indexed", "data.blend=[corpus_text_document]")),
+    "data.blend_format": (
+        TINY,
+        ("data=indexed", "data.blend=[0.5,a_text_document,b_text_document]"),
+        ("data=indexed", "data.blend=[0.7,a_text_document,0.3,b_text_document]"),
+    ),
+    "data.split": (TINY, ("data.split='90,10'",), ("data.split='90,5,5'",)),
+    "data.sft_needs_path": (TINY, ("data.kind=sft", PT), ("data.kind=sft", "data.sft_path=train.jsonl", PT)),
+    "run.intervals": (TINY, ("logging.log_interval=0",), ()),
+    "peft.method": (TINY, ("peft.method=adapter", PT), ("peft.method=lora", PT)),
+    "peft.lora_values": (TINY, ("peft.method=lora", "peft.rank=0", PT), ("peft.method=lora", PT)),
+    "peft.rank_fits": (TINY, ("peft.method=lora", "peft.rank=200", PT), ("peft.method=lora", "peft.rank=64", PT)),
+    "peft.nf4_blocks": (TINY, ("peft.method=qlora", "peft.nf4_block_size=48", PT), ("peft.method=qlora", PT)),
+    "peft.prefix_room": (TINY, ("peft.method=ptuning", "peft.prefix_length=400", PT), ("peft.method=ptuning", PT)),
+    "peft.prefix_layout": (
+        L70,
+        ("peft.method=ptuning", "train.seq_length=4096", PT),
+        ("peft.method=ptuning", "train.seq_length=4096", "parallel.cp=1", PT),
+    ),
+    "peft.needs_pretrained": (TINY, ("peft.method=lora",), ("peft.method=lora", PT)),
+    "memory.fits": (L70, ("parallel.tp=1", "parallel.pp=1", "parallel.vpp=null", "parallel.cp=1", "parallel.sp=false"), ()),
+}
+
+
+@lru_cache(maxsize=None)
+def _violations(recipe: str, overrides: Tuple[str, ...]) -> List[str]:
+    return [v.rule_id for v in validate(compose_recipe(recipe, list(overrides)))]
+
+
+def test_every_rule_has_a_case():
+    ids = [r.id for r in RULES]
+    assert len(ids) == len(set(ids)), "duplicate rule ids"
+    missing = sorted(set(ids) - set(CASES))
+    stale = sorted(set(CASES) - set(ids))
+    assert not missing, f"rules without a failing/passing case in tests/test_rules.py: {missing}"
+    assert not stale, f"cases for rules that no longer exist: {stale}"
+    assert len(RULES) >= 40
+
+
+def test_rule_entries_are_complete():
+    for r in RULES:
+        assert r.id and r.fields and r.message and callable(r.check), r.id
+        assert r.fix_text(compose_recipe(TINY)), r.id
+
+
+@pytest.mark.parametrize("rule_id", sorted(CASES))
+def test_rule_fails_on_its_bad_recipe(rule_id):
+    recipe, bad, _ = CASES[rule_id]
+    found = _violations(recipe, bad)
+    assert rule_id in found, f"{recipe} {' '.join(bad)} should violate {rule_id}; got {found}"
+
+
+@pytest.mark.parametrize("rule_id", sorted(CASES))
+def test_rule_passes_on_its_good_recipe(rule_id):
+    recipe, _, good = CASES[rule_id]
+    found = _violations(recipe, good)
+    assert found == [], f"{recipe} {' '.join(good)} should pass every rule; got {found}"
+
+
+def test_messages_name_values_and_valid_choices():
+    cfg = compose_recipe(L70, ["parallel.tp=16"])
+    by_id = {v.rule_id: v for v in validate(cfg)}
+    assert by_id["tp.query_groups"].message == "num_query_groups=8 is not divisible by parallel.tp=16; use parallel.tp in {1, 2, 4, 8}"
+    nvlink = by_id["tp.nvlink_domain"].message
+    assert "parallel.tp=16" in nvlink and "NVLink domain" in nvlink and "{1, 2, 4, 8}" in nvlink
+    assert by_id["tp.nvlink_domain"].fix and "allow_inter_node_tp" in by_id["tp.nvlink_domain"].fix
+
+
+def test_inter_node_tp_is_allowed_only_explicitly():
+    assert "tp.nvlink_domain" not in _violations(L70, ("parallel.tp=16", "parallel.allow_inter_node_tp=true"))
+    assert "tp.nvlink_domain" in _violations(L70, ("parallel.tp=16",))
+
+
+def test_gb200_nvlink_domain_spans_nodes():
+    """On NVL72 a TP group may leave its 4-GPU node as long as it stays in the 72-GPU domain."""
+    base = ("cluster=gb200_nvl72", "cluster.nodes=18", "parallel.tp=8", "parallel.pp=9", "parallel.vpp=null",
+            "parallel.cp=1", "train.global_batch_size=144", "model.num_layers=81")
+    found = _violations(L70, base)
+    assert "tp.nvlink_domain" not in found and "tp.nvlink_domain" in _violations(L70, base[:-1] + ("parallel.tp=16",) + base[-1:])
+
+
+def test_validate_or_raise_lists_every_violated_rule():
+    cfg = compose_recipe(TINY, ["cluster.gpus_per_node=3", "optimizer.min_lr=1.0", "data.kind=parquet"])
+    with pytest.raises(ValidationError) as info:
+        validate_or_raise(cfg, "tiny_llama_cpu")
+    ids = {v.rule_id for v in info.value.violations}
+    assert {"layout.world_factorisation", "optimizer.learning_rate", "data.kind"} <= ids
+    text = str(info.value)
+    assert text.startswith("tiny_llama_cpu: ") and all(f"[{i}]" in text for i in ids) and "fix:" in text
+
+
+def test_rules_by_id_covers_table():
+    assert set(rules_by_id()) == {r.id for r in RULES}

@@ -1,0 +1,152 @@
+"""The trainer's pure parts: FLOPs/MFU, the LR schedule, optimizer mapping, log sinks and the loss plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from megatron_recipes.config.compose import compose_recipe
+from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.training import metrics, optim, sinks
+
+
+def _cfg(*overrides):
+    return compose_recipe("tiny_llama_cpu", ["parallel=none", "cluster.gpus_per_node=1", *overrides])
+
+
+def _matmul_params(cfg) -> int:
+    """Weights that multiply activations, counted on the real megatron-core model (1 rank)."""
+    from data_support import one_rank_group
+
+    from megatron_recipes.models.builder import build_model_chunks
+    from megatron_recipes.runtime import distributed
+
+    with one_rank_group():
+        distributed.init_model_parallel(cfg)
+        try:
+            model = build_model_chunks(cfg)[0]
+            return sum(
+                p.numel()
+                for name, p in model.named_parameters()
+                if p.dim() == 2 and "word_embeddings" not in name and "router" not in name
+            )
+        finally:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+
+
+def test_flops_per_token_is_six_times_matmul_params_plus_causal_attention():
+    cfg = _cfg()
+    m, seq = cfg.model, cfg.train.seq_length
+    attention = 6 * m.num_layers * seq * m.hidden_size  # 12 * L * seq * (heads * head_dim), halved: causal
+    assert metrics.flops_per_token(cfg) == pytest.approx(6 * _matmul_params(cfg) + attention, rel=1e-12)
+    assert metrics.flops_per_step(cfg) == metrics.flops_per_token(cfg) * cfg.train.global_batch_size * seq
+
+
+def test_moe_flops_count_only_the_routed_experts():
+    dense = _cfg()
+    moe = compose_recipe("tiny_llama_cpu", ["parallel=none", "cluster.gpus_per_node=1", "model=tiny_moe"])
+    m = moe.model
+    per_expert = 3 * 2 * m.hidden_size * m.moe_ffn_hidden_size
+    router = 2 * m.hidden_size * m.num_moe_experts
+    assert m.moe_router_topk < m.num_moe_experts
+    dense_like = compose_recipe(
+        "tiny_llama_cpu",
+        ["parallel=none", "cluster.gpus_per_node=1", "model=tiny_moe", "model.num_moe_experts=null", f"model.ffn_hidden_size={m.moe_ffn_hidden_size}"],
+    )
+    extra = m.num_layers * 3 * (per_expert * (m.moe_router_topk - 1) + router)
+    assert metrics.flops_per_token(moe) == pytest.approx(metrics.flops_per_token(dense_like) + extra, rel=1e-12)
+    assert dense.model.num_moe_experts is None
+
+
+def test_mfu_is_none_on_cpu_and_a_fraction_with_a_peak_rate():
+    cpu = _cfg()
+    assert metrics.mfu(cpu, 1.0) is None
+    gpu = _cfg("cluster=h100_8gpu", "cluster.gpus_per_node=1")
+    peak = gpu.cluster.peak_bf16_tflops * 1e12
+    assert metrics.mfu(gpu, 0.5) == pytest.approx(metrics.flops_per_step(gpu) / 0.5 / peak)
+
+
+def test_peak_memory_is_positive_on_cpu():
+    assert 0.01 < metrics.peak_memory_gib() < 1024
+
+
+class _FakeOptimizer:
+    """OptimizerParamScheduler only touches ``param_groups``."""
+
+    def __init__(self):
+        self.param_groups = [{"lr": 0.0, "weight_decay": 0.0, "params": []}]
+
+
+def _lrs(cfg, steps):
+    sched = optim.build_scheduler(cfg, _FakeOptimizer())
+    out = []
+    for _ in range(steps):
+        out.append(sched.optimizer.param_groups[0]["lr"])
+        sched.step(increment=1)
+    return out
+
+
+def test_warmup_then_cosine_decay_to_min_lr():
+    cfg = _cfg("optimizer.lr=1.0", "optimizer.min_lr=0.1", "optimizer.lr_warmup_iters=4", "train.train_iters=14")
+    lrs = _lrs(cfg, 16)
+    assert lrs[:5] == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0])
+    mid = 4 + 5  # halfway through the 10 decay steps: cosine gives the mean of max and min
+    assert lrs[mid] == pytest.approx(0.55)
+    assert lrs[14] == pytest.approx(0.1) and lrs[15] == pytest.approx(0.1)
+
+
+def test_linear_and_constant_decay():
+    lin = _lrs(_cfg("optimizer.lr=1.0", "optimizer.min_lr=0.0", "optimizer.lr_warmup_iters=0",
+                    "optimizer.lr_decay_style=linear", "train.train_iters=10"), 11)
+    assert lin == pytest.approx([1.0 - 0.1 * i for i in range(11)])
+    const = _lrs(_cfg("optimizer.lr=0.3", "optimizer.lr_warmup_iters=0", "optimizer.lr_decay_style=constant"), 5)
+    assert const == pytest.approx([0.3] * 5)
+
+
+def test_optimizer_mapping():
+    cfg = _cfg("optimizer.clip_grad=0.0")
+    oc = optim.optimizer_config(cfg)
+    assert math.isinf(oc.clip_grad) and oc.optimizer == "adam" and oc.use_distributed_optimizer
+    with pytest.raises(RecipeError, match="use_distributed_optimizer=false"):
+        optim.optimizer_config(_cfg("optimizer=sgd", "optimizer.use_distributed_optimizer=true"))
+    sgd = optim.optimizer_config(_cfg("optimizer=sgd", "optimizer.sgd_momentum=0.5"))
+    assert sgd.optimizer == "sgd" and sgd.sgd_momentum == 0.5 and not sgd.use_distributed_optimizer
+
+
+def test_log_is_dllogger_jsonl_and_resume_drops_repeated_steps(tmp_path: Path):
+    log = sinks.MetricsLog(tmp_path, resume_step=0, tensorboard=False)
+    log.metadata("run", {"layout": "TP=2"})
+    for step in range(1, 6):
+        log.log(step, {"loss": 10.0 - step, "lr": 0.1, "grad_norm": float("nan") if step == 5 else 1.0, "tokens_per_sec": 5.0})
+    log.close()
+    lines = (tmp_path / sinks.LOG_NAME).read_text().splitlines()
+    records = [json.loads(line) for line in lines]  # NaN is written so that every line still parses
+    assert records[0]["type"] == "METADATA" and records[-1]["data"]["grad_norm"] == "nan"
+    assert {"timestamp", "datetime", "elapsedtime", "type", "step", "data"} <= set(records[1])
+
+    resumed = sinks.MetricsLog(tmp_path, resume_step=3, tensorboard=False)  # the checkpoint was at step 3
+    resumed.log(4, {"loss": 0.5})
+    resumed.close()
+    steps = sinks.step_records(tmp_path / sinks.LOG_NAME)
+    assert [(r["step"], r["data"]["loss"]) for r in steps] == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 0.5)]
+
+
+def test_read_log_accepts_dllogger_prefixed_lines(tmp_path: Path):
+    path = tmp_path / "dll.json"
+    path.write_text('DLLL {"type": "LOG", "step": 7, "data": {"loss": 1.5}}\n')
+    assert sinks.step_records(path)[0]["data"]["loss"] == 1.5
+
+
+def test_loss_plot_is_a_png(tmp_path: Path):
+    log = sinks.MetricsLog(tmp_path, resume_step=0, tensorboard=False)
+    for step in range(1, 11):
+        log.log(step, {"loss": 5.0 / step, **({"val_loss": 6.0 / step} if step % 5 == 0 else {})})
+    log.close()
+    out = sinks.plot_losses(tmp_path / sinks.LOG_NAME, tmp_path / sinks.PLOT_NAME, title="t")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+    assert not list(tmp_path.glob(".tmp-*"))

@@ -1,0 +1,142 @@
+"""Run the real trainer (``python -m megatron_recipes.train``, which starts its own torchrun ranks) in tests.
+
+Each run is a subprocess exactly as a user starts it; the per-step numbers come back from the run's
+``log.jsonl``. Runs share one small built-in corpus per test session (``cache_dir``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from megatron_recipes.training.sinks import step_records
+
+# A tiny corpus (seconds to build), short sequences, per-step logging, no evaluation unless asked.
+SMALL_DATA = ["data.builtin_max_files=80", "data.builtin_vocab_size=600"]
+FAST = [
+    "train.seq_length=32",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "logging.log_interval=1",
+    "logging.eval_interval=1000",
+    "logging.eval_iters=0",
+    "logging.plot=false",
+    "logging.tensorboard=false",
+]
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    run_dir: Path
+
+    def records(self) -> List[Dict]:
+        return step_records(self.run_dir / "log.jsonl")
+
+    def series(self, key: str) -> List[float]:
+        """Per-step values of one metric (steps that logged it), in step order."""
+        return [r["data"][key] for r in self.records() if key in r["data"]]
+
+    def check(self) -> "Run":
+        if self.returncode != 0:
+            raise AssertionError(f"training failed with exit code {self.returncode}:\n{self.output[-6000:]}")
+        return self
+
+
+def command(run_dir: Path, cache_dir: Path, overrides: Sequence[str], nproc: int, recipe: str) -> List[str]:
+    return [
+        sys.executable,
+        "-m",
+        "megatron_recipes.train",
+        recipe,
+        f"run.dir={run_dir}",
+        f"data.cache_dir={cache_dir}",
+        f"cluster.gpus_per_node={nproc}",
+        f"cluster.nvlink_domain={nproc}",
+        *SMALL_DATA,
+        *overrides,
+    ]
+
+
+def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):  # the trainer starts its own ranks
+        env.pop(name, None)
+    return env
+
+
+def train(
+    run_dir: Path,
+    cache_dir: Path,
+    *overrides: str,
+    nproc: int = 1,
+    recipe: str = "tiny_llama_cpu",
+    timeout: float = 600.0,
+    env: Optional[Dict[str, str]] = None,
+) -> Run:
+    """``torchrun --nproc_per_node <nproc> -m megatron_recipes.train <recipe> ...``; never raises on failure.
+
+    torchrun directly (one interpreter fewer than the self-spawning ``megatron-recipes train``, whose own
+    path the CLI tests cover); a single rank runs as a plain ``python -m megatron_recipes.train``.
+    """
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    cmd = command(run_dir, cache_dir, overrides, nproc, recipe)
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *cmd[1:]]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(env),
+        cwd=str(run_dir.parent),
+    )
+    return Run(proc.returncode, proc.stdout + proc.stderr, Path(run_dir))
+
+
+def start(run_dir: Path, cache_dir: Path, *overrides: str, nproc: int = 1, recipe: str = "tiny_llama_cpu") -> subprocess.Popen:
+    """The same command as ``train`` in the background, in its own session (for tests that kill it)."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        command(run_dir, cache_dir, overrides, nproc, recipe),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+        cwd=str(run_dir.parent),
+        start_new_session=True,
+    )
+
+
+def relative_diffs(a: Sequence[float], b: Sequence[float]) -> List[float]:
+    return [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)]
+
+
+def _save_initial_weights(recipe: str, overrides: Sequence[str], root: str) -> str:
+    """(one rank) Build the recipe's model as the trainer does and save its weights as step 0."""
+    from megatron_recipes.config.compose import compose_recipe
+    from megatron_recipes.models.builder import build_model_chunks
+    from megatron_recipes.runtime import distributed
+    from megatron_recipes.training import checkpoint, optim
+
+    cfg = compose_recipe(recipe, list(overrides))
+    distributed.init_model_parallel(cfg)
+    model = optim.wrap_model(cfg, build_model_chunks(cfg))
+    return str(checkpoint.save_checkpoint(Path(root), 0, model, None, None, {"step": 0}, cfg, keep_last=0))
+
+
+def initial_weights(root: Path, cache_dir: Path, *overrides: str, recipe: str = "tiny_llama_cpu") -> Path:
+    """A weights-only step-0 checkpoint of the single-rank model: every layout starts from it.
+
+    Pipeline stages build different subsets of layers, so each layout's own initialisation differs;
+    loading one saved starting point (megatron-core dist-checkpointing reshards it) makes them equal.
+    """
+    from multiproc import run_ranks
+
+    full = [f"run.dir={root.parent}", f"data.cache_dir={cache_dir}", "cluster.gpus_per_node=1", *SMALL_DATA, *overrides]
+    return Path(run_ranks(_save_initial_weights, 1, recipe, full, str(root))[0])
