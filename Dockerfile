@@ -1,13 +1,15 @@
 # syntax=docker/dockerfile:1
-# megatron-recipes on NVIDIA's NGC PyTorch image, which already carries CUDA, NCCL, cuDNN, Transformer
-# Engine and Apex for H100/H200 (x86_64) and GB200 (arm64). The tag is pinned: change BASE_IMAGE on
-# purpose, never implicitly.
-#   docker build -t megatron-recipes:latest .
+# megatron-recipes on NVIDIA's NGC PyTorch image (nvidia/pytorch in the NGC catalog), which already
+# carries CUDA, NCCL, cuDNN, Transformer Engine and Apex for H100/H200 (x86_64) and GB200 (arm64).
+# The tag is pinned: change PYTORCH_TAG on purpose, never implicitly. NGC_REGISTRY is the registry you
+# pull NGC containers from (NGC's own, or your site's mirror of it); it has no default on purpose.
+#   docker build --build-arg NGC_REGISTRY=<ngc-registry-host> -t megatron-recipes:latest .
 #   enroot import -o megatron-recipes.sqsh dockerd://megatron-recipes:latest
 #   megatron-recipes slurm submit <recipe> cluster.container_image=/shared/images/megatron-recipes.sqsh ...
 # (slurm/README.md has the details.)
-ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3
-FROM ${BASE_IMAGE}
+ARG NGC_REGISTRY
+ARG PYTORCH_TAG=25.11-py3
+FROM ${NGC_REGISTRY}/nvidia/pytorch:${PYTORCH_TAG}
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -39,9 +39,9 @@ def test_base_is_a_pinned_ngc_pytorch_image():
     steps = _instructions()
     args = {k: v for k, _, v in (a.partition("=") for w, a in steps if w == "ARG")}
     (base,) = [a for w, a in steps if w == "FROM"]
-    image = args.get(base.strip("${}"), base)
+    image = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), base)
     repo, _, tag = image.rpartition(":")
-    assert repo.endswith("nvidia/pytorch"), image
+    assert repo.endswith("/nvidia/pytorch"), image
     assert re.fullmatch(r"\d{2}\.\d{2}-py3", tag), f"{image}: pin a dated NGC tag, never latest"
 
 

@@ -88,8 +88,8 @@ def test_wrong_number_of_ranks_is_a_clear_error(tmp_path, cache):
 )
 def test_bad_input_fails_with_a_message_and_no_outputs(tmp_path, cache, overrides, message):
     run_dir = tmp_path / "run"
-    run = ts.train(run_dir, cache, *ts.FAST, "train.train_iters=2", "optimizer.lr_warmup_iters=1", *overrides, nproc=2)
-    assert run.returncode == 2, run.output[-3000:]
+    run = ts.train(run_dir, cache, *ts.FAST, "train.train_iters=2", "optimizer.lr_warmup_iters=1", *overrides, nproc=2, self_spawn=True)
+    assert run.returncode == 2, run.output[-3000:]  # found before any rank starts
     assert message in run.output, run.output[-3000:]
     assert "Traceback" not in run.output
     assert not (run_dir / "log.jsonl").exists() and not (run_dir / "checkpoints").exists()

@@ -65,7 +65,9 @@ def command(run_dir: Path, cache_dir: Path, overrides: Sequence[str], nproc: int
 
 def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):  # the trainer starts its own ranks
+    # The trainer starts its own ranks; a rendezvous left in this process's environment (other tests'
+    # one-rank groups) must not leak into them.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env
 
@@ -78,15 +80,16 @@ def train(
     recipe: str = "tiny_llama_cpu",
     timeout: float = 600.0,
     env: Optional[Dict[str, str]] = None,
+    self_spawn: bool = False,
 ) -> Run:
     """``torchrun --nproc_per_node <nproc> -m megatron_recipes.train <recipe> ...``; never raises on failure.
 
-    torchrun directly (one interpreter fewer than the self-spawning ``megatron-recipes train``, whose own
-    path the CLI tests cover); a single rank runs as a plain ``python -m megatron_recipes.train``.
+    torchrun directly saves one interpreter per run; ``self_spawn`` runs ``python -m megatron_recipes.train``
+    as a user does (it validates once, then starts its own ranks). One rank always runs the latter.
     """
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     cmd = command(run_dir, cache_dir, overrides, nproc, recipe)
-    if nproc > 1:
+    if nproc > 1 and not self_spawn:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *cmd[1:]]
     proc = subprocess.run(
         cmd,

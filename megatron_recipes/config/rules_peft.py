@@ -158,9 +158,9 @@ def _prefix_room(cfg: RunConfig) -> Optional[str]:
 
 @rule(
     "peft.prefix_layout",
-    ["peft.method", "parallel.cp", "model.multi_latent_attention", "data.packing"],
-    "P-Tuning v2 runs without context parallelism, on standard attention, and (on GPUs) on unpacked sequences",
-    "set parallel.cp=1, and data.packing=false on GPU clusters",
+    ["peft.method", "parallel.cp", "model.multi_latent_attention", "model.sliding_window", "data.packing"],
+    "P-Tuning v2 runs without context parallelism, on full causal attention, and (on GPUs) on unpacked sequences",
+    "set parallel.cp=1, and data.packing=false on GPU clusters; use LoRA for sliding-window or MLA models",
 )
 def _prefix_layout(cfg: RunConfig) -> Optional[str]:
     m = _method(cfg)
@@ -170,6 +170,8 @@ def _prefix_layout(cfg: RunConfig) -> Optional[str]:
         return f"parallel.cp={cfg.parallel.cp}: prefixes would have to live on one context-parallel rank's keys only"
     if cfg.model.multi_latent_attention:
         return "multi-latent attention has no per-group keys/values to prefix"
+    if getattr(cfg.model, "sliding_window", None):
+        return f"model.sliding_window={cfg.model.sliding_window}: the widened prefix mask is causal over the whole sequence"
     if cfg.cluster.gpu_arch != "cpu" and cfg.data.kind == "sft" and cfg.data.packing:
         return "data.packing=true packs sequences as THD on GPUs, where each sequence would need its own prefix"
     return None

@@ -40,7 +40,8 @@ _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 @dataclass
 class ExportReport:
     hf_dir: Path
-    seconds: float
+    seconds: float  # streaming the tensors
+    total_seconds: float  # everything, config and assets included
     bytes_written: int
     peak_rss: int
     baseline_rss: int
@@ -52,7 +53,8 @@ class ExportReport:
         over = self.peak_rss - self.baseline_rss
         where = f"config/tokenizer files from {self.assets_from}" if self.assets_from else "config derived from the checkpoint (no tokenizer files found)"
         return (
-            f"wrote {gib(self.bytes_written)} in {self.seconds:.1f} s ({rate:.0f} MB/s) to {self.hf_dir}; {where}\n"
+            f"wrote {gib(self.bytes_written)} in {self.seconds:.1f} s ({rate:.0f} MB/s; {self.total_seconds:.1f} s in all) "
+            f"to {self.hf_dir}; {where}\n"
             f"peak RSS {gib(self.peak_rss)} ({gib(over)} over the {gib(self.baseline_rss)} before writing; "
             f"largest tensor group {gib(self.largest_item)}, ratio {over / max(self.largest_item, 1):.2f})"
         )
@@ -121,6 +123,7 @@ def run_export(
     from megatron_recipes.training import checkpoint_identity as identity
     from megatron_recipes.training import checkpoint_store as store
 
+    began = time.perf_counter()
     hf_dir = Path(hf_dir).expanduser()
     staging.check_target(hf_dir, overwrite, lambda p: (p / INDEX_NAME).exists() or (p / "config.json").exists(), "hf_dir")
     resolved = store.resolve_dir(Path(ckpt))
@@ -178,4 +181,7 @@ def run_export(
             for path in sorted(assets.iterdir()):
                 if path.is_file() and path.name != "config.json" and not WEIGHT_FILES.fullmatch(path.name):
                     shutil.copy2(path, tmp / path.name)
-    return ExportReport(hf_dir, time.perf_counter() - start, total, peak.result.peak, peak.result.baseline, largest, assets)
+    return ExportReport(
+        hf_dir, time.perf_counter() - start, time.perf_counter() - began, total, peak.result.peak, peak.result.baseline,
+        largest, assets,
+    )

@@ -64,7 +64,8 @@ class ImportReport:
     out_dir: Path
     checkpoint: Path
     cfg: RunConfig
-    seconds: float
+    seconds: float  # streaming the tensors
+    total_seconds: float  # everything: config, checks, planning, writing, renaming
     bytes_written: int
     largest_item: int
     peak_rss: int
@@ -75,7 +76,8 @@ class ImportReport:
         rate = self.bytes_written / max(self.seconds, 1e-9) / (1 << 20)
         over = self.peak_rss - self.baseline_rss
         return (
-            f"wrote {gib(self.bytes_written)} in {self.seconds:.1f} s ({rate:.0f} MB/s) to {self.checkpoint}\n"
+            f"wrote {gib(self.bytes_written)} in {self.seconds:.1f} s ({rate:.0f} MB/s; {self.total_seconds:.1f} s in all) "
+            f"to {self.checkpoint}\n"
             f"peak RSS {gib(self.peak_rss)} ({gib(over)} over the {gib(self.baseline_rss)} before writing; "
             f"largest tensor group {gib(self.largest_item)}, ratio {over / max(self.largest_item, 1):.2f})"
         )
@@ -188,6 +190,7 @@ def run_import(
     from megatron_recipes.training import checkpoint as engine
     from megatron_recipes.training import checkpoint_store as store
 
+    began = time.perf_counter()
     out_dir = Path(out_dir).expanduser()
     staging.check_target(out_dir, overwrite, looks_like_import, "out_dir")
     source = read_source(hf_dir)
@@ -229,6 +232,7 @@ def run_import(
         checkpoint=store.iter_dir(out_dir, 0),
         cfg=cfg,
         seconds=seconds,
+        total_seconds=time.perf_counter() - began,
         bytes_written=total,
         largest_item=largest,
         peak_rss=peak.result.peak,

@@ -82,10 +82,12 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
-def _all_finite(t: torch.Tensor, step: int = 1 << 22) -> bool:
-    """NaN/Inf check in small slices: ``isfinite`` makes temporaries of ~5x the slice's size."""
-    flat = t.reshape(-1)
-    return all(bool(torch.isfinite(flat[i : i + step]).all()) for i in range(0, flat.numel(), step))
+def _all_finite(t: torch.Tensor) -> bool:
+    """NaN/Inf check through the extremes: reductions propagate NaN, make no temporaries and run ~10x
+    faster on CPU than ``isfinite(t).all()`` (which also allocates several times the block)."""
+    if t.numel() == 0:
+        return True
+    return bool(torch.isfinite(t.amax())) and bool(torch.isfinite(t.amin()))
 
 
 def read_header(path: Path) -> Tuple[Dict[str, dict], int]:

@@ -102,6 +102,9 @@ def spawn_local(argv: Sequence[str], nproc: int, target: Sequence[str] = ("--mod
 def main(argv: List[str]) -> int:
     """Entry of ``megatron-recipes train`` and ``python -m megatron_recipes.train``."""
     quiet_known_warnings()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: {PROG} <recipe> [key=value ...]\n\n{__doc__}")
+        return 0
     if under_launcher():
         return run_rank(argv)
     recipe, cfg = _compose(argv)

@@ -7,15 +7,12 @@ Every rank runs the same code; only rank 0 writes the run directory's files othe
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
-
-import torch
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.compose import to_yaml
@@ -25,8 +22,6 @@ from megatron_recipes.models import capabilities
 from megatron_recipes.runtime import distributed
 from megatron_recipes.training import checkpoint, checkpoint_store, checkpointing, metrics, optim, sinks, step
 from megatron_recipes.training.preemption import PreemptionWatcher
-
-log = logging.getLogger(__name__)
 
 
 class TrainingDiverged(RecipeError):

@@ -2,7 +2,7 @@
 
 DDP (``DistributedDataParallelConfig``), ``get_megatron_optimizer`` (Adam or SGD, optionally the
 distributed optimizer) and ``OptimizerParamScheduler`` do the work; this module only maps recipe fields
-onto them, in one place, so the trainer and the benchmark's reference loop build identical state.
+onto them, in one place (the trainer and the checkpoint tests build their state through it).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def wrap_model(cfg: RunConfig, chunks: List[torch.nn.Module]) -> List[torch.nn.M
         use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
         average_in_collective=False,  # per-token loss: finalize_model_grads divides by the token count
     )
-    # Only the first chunk buckets its grads (later chunks' reduce would otherwise fire too early).
+    # As Megatron-LM: only the first chunk buckets its grads; later VPP chunks' reduction overlaps with
+    # the remaining compute anyway.
     return [
         DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
@@ -56,16 +57,13 @@ def configure_schedule_hooks(model: List[torch.nn.Module]) -> None:
     no_sync = [chunk.no_sync for chunk in model]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     config.finalize_model_grads_func = finalize_model_grads
-    if cfg_overlaps(model):
+    ddp = model[0].ddp_config
+    if ddp.overlap_grad_reduce:
         grad_sync = [chunk.start_grad_sync for chunk in model]
         config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
-        if model[0].ddp_config.overlap_param_gather:
-            param_sync = [chunk.start_param_sync for chunk in model]
-            config.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
-
-
-def cfg_overlaps(model: List[torch.nn.Module]) -> bool:
-    return bool(model[0].ddp_config.overlap_grad_reduce)
+    if ddp.overlap_param_gather:
+        param_sync = [chunk.start_param_sync for chunk in model]
+        config.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
 
 
 def optimizer_config(cfg: RunConfig):

@@ -9,6 +9,7 @@ dropped; all of it is counted in ``SFTSummary``.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from megatron_recipes.data.sft.templates import resolve_template
 
 FORMAT_VERSION = 1
 _BATCH = 512
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -177,4 +179,20 @@ def build_sft_datasets(cfg: RunConfig, tokenizer):
     valid = None
     if cfg.data.sft_valid_path and sizes[1]:
         valid, summaries["valid"] = sft_dataset(cfg.data.sft_valid_path, cfg, tokenizer, sizes[1], seed_offset=1)
+    _announce(summaries)
     return train, valid, None, summaries
+
+
+def _announce(summaries: dict) -> None:
+    """One line per split on rank 0; a warning (shown even without logging set up) if samples were cut."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    for split, s in summaries.items():
+        lossy = s.truncated or s.dropped_overlong or s.dropped_no_answer
+        (log.warning if lossy else log.info)(
+            "SFT %s: %d samples -> %d kept in %d rows (fill %.1f%%, %d loss tokens); truncated %d, dropped %d too long, "
+            "%d without answer tokens",
+            split, s.samples, s.kept, s.rows, 100 * s.fill, s.loss_tokens, s.truncated, s.dropped_overlong, s.dropped_no_answer,
+        )
