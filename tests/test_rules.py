@@ -104,6 +104,9 @@ CASES: Dict[str, Case] = {
     "batch.positive": (TINY, ("train.train_iters=0",), ()),
     "batch.global_divisible": (TINY, ("train.global_batch_size=12",), ("train.global_batch_size=24",)),
     "optimizer.name": (TINY, ("optimizer.name=lion",), ("optimizer=sgd",)),
+    "optimizer.distributed_needs_adam": (
+        TINY, ("optimizer=sgd", "optimizer.use_distributed_optimizer=true"), ("optimizer=sgd",)
+    ),
     "optimizer.learning_rate": (TINY, ("optimizer.min_lr=1.0",), ()),
     "optimizer.schedule": (TINY, ("optimizer.lr_warmup_iters=300",), ("optimizer.lr_warmup_iters=299",)),
     "optimizer.hyperparameters": (TINY, ("optimizer.adam_beta2=1.0",), ("optimizer.adam_beta2=0.999",)),

@@ -90,6 +90,19 @@ def _opt_name(cfg: RunConfig) -> Optional[str]:
 
 
 @rule(
+    "optimizer.distributed_needs_adam",
+    ["optimizer.name", "optimizer.use_distributed_optimizer"],
+    "megatron-core's distributed optimizer shards Adam state; it does not implement SGD",
+    "set optimizer.use_distributed_optimizer=false with optimizer=sgd (recipes/optimizer/sgd.yaml does)",
+)
+def _distributed_needs_adam(cfg: RunConfig) -> Optional[str]:
+    o = cfg.optimizer
+    if o.name == "sgd" and o.use_distributed_optimizer:
+        return "megatron-core's distributed optimizer implements Adam only, not optimizer.name=sgd with optimizer.use_distributed_optimizer=true"
+    return None
+
+
+@rule(
     "optimizer.learning_rate",
     ["optimizer.lr", "optimizer.min_lr"],
     "0 < lr and 0 <= min_lr <= lr",
@@ -160,6 +173,7 @@ TRAIN_RULES = [
     _recompute_values,
     _recompute_layers,
     _opt_name,
+    _distributed_needs_adam,
     _lr,
     _schedule,
     _hyper,

@@ -99,7 +99,7 @@ def build_gpt_model(
     if m.multi_latent_attention and m.rope_scaling is not None and m.rope_scaling.rope_type == "yarn":
         rope = "rope"  # MLA applies yarn inside its attention module from the MLA config
     scaling = m.rope_scaling if (m.rope_scaling is not None and m.rope_scaling.rope_type == "llama3") else None
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=derived.padded_vocab_size(m, cfg.parallel.tp),
@@ -116,6 +116,30 @@ def build_gpt_model(
         mtp_block_spec=_mtp_spec(cfg, config, spec, vp_stage, use_te),
         vp_stage=vp_stage,
     )
+    if post_process:
+        mask_padded_vocab(model.output_layer, m.vocab_size)
+    return model
+
+
+def mask_padded_vocab(output_layer: torch.nn.Module, vocab_size: int) -> None:
+    """Logits of the rows megatron-core pads the vocabulary with are set to the dtype's minimum.
+
+    Those rows are not tokens: left at zero (as after an HF import) they would still take softmax mass,
+    so our loss would differ from the HF model's on the same weights, and after pretraining they would
+    have been trained against. Masking them makes the loss, the gradients and any sampling see exactly
+    the real vocabulary; their weights get no gradient. Works on this rank's vocabulary shard.
+    """
+    from megatron.core import parallel_state
+
+    def hook(module, args, output):
+        logits = output[0] if isinstance(output, tuple) else output
+        shard = logits.shape[-1]
+        start = vocab_size - parallel_state.get_tensor_model_parallel_rank() * shard
+        if start < shard:
+            logits[..., max(start, 0):] = torch.finfo(logits.dtype).min
+        return output
+
+    output_layer.register_forward_hook(hook)
 
 
 def build_model_chunks(cfg: RunConfig) -> List[torch.nn.Module]:

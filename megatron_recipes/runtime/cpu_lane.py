@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 from typing import Any
 
@@ -210,8 +211,9 @@ def activate() -> bool:
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
     _ACTIVE = True
-    log.warning(
-        "CPU lane active: no CUDA device found, running megatron-core on CPU over gloo "
-        "(for correctness and layout debugging, not speed)"
-    )
+    if os.environ.get("RANK", "0") == "0":  # every rank activates it; one line in the log says so
+        log.warning(
+            "CPU lane active: no CUDA device found, running megatron-core on CPU over gloo "
+            "(for correctness and layout debugging, not speed)"
+        )
     return True

@@ -232,7 +232,10 @@ def _read(sharded: Dict[str, Any], ckpt: Path) -> Dict[str, Any]:
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     try:
-        return io.load(sharded, ckpt)
+        absent = io.absent_extra_states(sharded, ckpt)
+        loaded = io.load(io.without(sharded, absent) if absent else sharded, ckpt)
+        io.put_none(loaded, absent)
+        return loaded
     except RecipeError:
         raise
     except (Exception, CheckpointException) as exc:
