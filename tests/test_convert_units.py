@@ -125,3 +125,29 @@ def test_reader_rejects_non_finite_values(tmp_path: Path):
 )
 def test_min_world_size(parallel, world):
     assert min_world_size(parallel) == world
+
+
+def test_checkpoint_reader_whole_chunks_and_regions(tmp_path: Path):
+    """An item stored as one chunk is handed over as loaded; a region of a bigger chunk goes through DCP."""
+    from megatron_recipes.convert.dcp_io import CheckpointReader, write_items
+    from megatron_recipes.convert.target import Item
+
+    torch.manual_seed(0)
+    full = torch.randn(2, 4, 3)  # two layers stacked on a leading axis
+
+    def item(key, layer):
+        prepend = 0 if layer is None else 1
+        return Item(key, key, (2, 4, 3), (layer or 0, 0, 0), prepend, torch.float32, layer, None)
+
+    per_layer = [item("stacked", 0), item("stacked", 1)]
+    whole = item("whole", None)
+    write_items(tmp_path, per_layer + [whole], lambda it: full[it.layer].clone() if it.prepend else full.clone())
+    reader = CheckpointReader(tmp_path)
+
+    assert reader._whole_chunk(whole) is not None and reader._whole_chunk(per_layer[1]) is not None
+    assert torch.equal(reader.read(whole), full)
+    assert torch.equal(reader.read(per_layer[1]), full[1])
+    assert reader.read(whole, torch.bfloat16).dtype == torch.bfloat16
+    region = item("whole", 1)  # layer 1 of a tensor stored as one chunk
+    assert reader._whole_chunk(region) is None
+    assert torch.equal(reader.read(region), full[1])

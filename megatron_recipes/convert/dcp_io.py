@@ -201,8 +201,29 @@ class CheckpointReader:
     def read(self, item: Item, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The tensor of one item (index axes dropped), in ``dtype`` or as stored."""
         stored = self.tensors()[item.key]
+        whole = self._whole_chunk(item)
+        if whole is not None:
+            return whole.reshape(item.shape).to(dtype or whole.dtype)
         out = torch.empty((1,) * item.prepend + item.shape, dtype=dtype or stored.properties.dtype)
         planner = _RegionLoadPlanner(item.key, item.offset, out)
         with _unwrapped_errors():
             dcp.load({}, storage_reader=self.reader, planner=planner, no_dist=True)
         return out.reshape(item.shape)
+
+    def _whole_chunk(self, item: Item) -> Optional[torch.Tensor]:
+        """The item loaded straight from its file when it is exactly one stored chunk, else None.
+
+        DCP's region load deserialises the stored chunk and copies it into the caller's buffer, so the
+        largest tensor is briefly held twice; a checkpoint written at the layout being read (TP=1 for
+        export) stores every item as one chunk, which can be handed over as loaded. Compressed chunks,
+        or a reader without the file-view hook, take the region path.
+        """
+        index = MetadataIndex(item.key, item.offset)
+        info = self.reader.read_metadata().storage_data.get(index)
+        shape = torch.Size((1,) * item.prepend + item.shape)
+        chunks = self.tensors()[item.key].chunks
+        exact = any(tuple(c.offsets) == tuple(item.offset) and c.sizes == shape for c in chunks)
+        if info is None or not exact or getattr(info, "transform_descriptors", None) or not hasattr(self.reader, "_slice_file"):
+            return None
+        with open(self.directory / info.relative_path, "rb") as stream:
+            return torch.load(self.reader._slice_file(stream, info), map_location="cpu", weights_only=True)
