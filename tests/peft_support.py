@@ -129,19 +129,10 @@ def snapshot_frozen(chunks) -> Dict[str, torch.Tensor]:
     return out
 
 
-def train_steps(cfg, steps: int, after_build: Callable | None = None) -> Dict[str, Any]:
-    """Build, apply PEFT, wrap in megatron-core DDP + optimizer, run ``steps`` steps on fixed batches."""
-    from megatron_recipes.models.builder import build_model_chunks
-    from megatron_recipes.peft import apply_peft
-    from megatron_recipes.runtime.distributed import init_model_parallel
+def _optimize(cfg, chunks, steps: int):
+    """Wrap ``chunks`` in megatron-core DDP + optimizer and run ``steps`` steps on fixed batches."""
     from megatron_recipes.training import optim, step
 
-    init_model_parallel(cfg)
-    chunks = build_model_chunks(cfg)
-    if after_build is not None:
-        after_build(chunks)
-    summary = apply_peft(chunks, cfg, report=False)
-    frozen = snapshot_frozen(chunks)
     model = optim.wrap_model(cfg, chunks)
     optim.configure_schedule_hooks(model)
     optimizer = optim.build_optimizer(cfg, model)
@@ -153,6 +144,22 @@ def train_steps(cfg, steps: int, after_build: Callable | None = None) -> Dict[st
     for s in range(steps):
         its = [iter(batches[s * per_step : (s + 1) * per_step]) for _ in model]
         losses.append(step.train_step(cfg, model, optimizer, scheduler, its, forward_step, torch.device("cpu")).loss)
+    return model, optimizer, scheduler, losses
+
+
+def train_steps(cfg, steps: int, after_build: Callable | None = None) -> Dict[str, Any]:
+    """Build, apply PEFT, wrap in megatron-core DDP + optimizer, run ``steps`` steps on fixed batches."""
+    from megatron_recipes.models.builder import build_model_chunks
+    from megatron_recipes.peft import apply_peft
+    from megatron_recipes.runtime.distributed import init_model_parallel
+
+    init_model_parallel(cfg)
+    chunks = build_model_chunks(cfg)
+    if after_build is not None:
+        after_build(chunks)
+    summary = apply_peft(chunks, cfg, report=False)
+    frozen = snapshot_frozen(chunks)
+    losses = _optimize(cfg, chunks, steps)[-1]
     after = snapshot_frozen(chunks)
     unchanged = sorted(frozen) == sorted(after) and all(torch.equal(frozen[k], after[k]) for k in frozen)
     return {"losses": losses, "frozen_unchanged": unchanged, "frozen_count": len(frozen),
@@ -239,23 +246,13 @@ def train_and_save(world: int, run_dir: str, pretrained: str, steps: int, *overr
     from megatron_recipes.models.builder import build_model_chunks
     from megatron_recipes.peft.state import prepare_for_training
     from megatron_recipes.runtime.distributed import init_model_parallel
-    from megatron_recipes.training import checkpoint, optim, step
+    from megatron_recipes.training import checkpoint
 
     cfg = tiny_cfg(world, f"checkpoint.pretrained={pretrained}", f"run.dir={run_dir}", *overrides)
     init_model_parallel(cfg)
     chunks = build_model_chunks(cfg)
     prepare_for_training(cfg, chunks)
-    model = optim.wrap_model(cfg, chunks)
-    optim.configure_schedule_hooks(model)
-    optimizer = optim.build_optimizer(cfg, model)
-    scheduler = optim.build_scheduler(cfg, optimizer)
-    forward_step = step.make_forward_step(torch.device("cpu"), use_te=False)
-    batches = fixed_batches(cfg, steps)
-    per = len(batches) // steps
-    losses = []
-    for s in range(steps):
-        its = [iter(batches[s * per : (s + 1) * per]) for _ in model]
-        losses.append(step.train_step(cfg, model, optimizer, scheduler, its, forward_step, torch.device("cpu")).loss)
+    model, optimizer, scheduler, losses = _optimize(cfg, chunks, steps)
     root = checkpoint.checkpoints_root(cfg)
     checkpoint.save_checkpoint(root, steps, model, optimizer, scheduler, {"step": steps}, cfg, keep_last=2)
     return losses
