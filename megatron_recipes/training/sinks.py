@@ -34,33 +34,19 @@ class JsonlBackend:
         self.verbosity = 0
         self.file = open(path, "a" if append else "w", encoding="utf-8")
 
-    def _write(self, record: Dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
+    def _write(self, timestamp: datetime, elapsedtime: float, kind: str, **fields: Any) -> None:
+        """One DLLogger record: the common header, then the record's own fields."""
+        record = dict(
+            timestamp=str(timestamp.timestamp()), datetime=str(timestamp), elapsedtime=str(elapsedtime), type=kind
+        )
+        self.file.write(json.dumps({**record, **fields}) + "\n")
         self.file.flush()
 
     def log(self, timestamp: datetime, elapsedtime: float, step: Any, data: Dict[str, Any]) -> None:
-        self._write(
-            dict(
-                timestamp=str(timestamp.timestamp()),
-                datetime=str(timestamp),
-                elapsedtime=str(elapsedtime),
-                type="LOG",
-                step=step,
-                data={k: _clean(v) for k, v in data.items()},
-            )
-        )
+        self._write(timestamp, elapsedtime, "LOG", step=step, data={k: _clean(v) for k, v in data.items()})
 
     def metadata(self, timestamp: datetime, elapsedtime: float, metric: str, metadata: Dict[str, Any]) -> None:
-        self._write(
-            dict(
-                timestamp=str(timestamp.timestamp()),
-                datetime=str(timestamp),
-                elapsedtime=str(elapsedtime),
-                type="METADATA",
-                metric=metric,
-                metadata=metadata,
-            )
-        )
+        self._write(timestamp, elapsedtime, "METADATA", metric=metric, metadata=metadata)
 
     def flush(self) -> None:
         self.file.flush()
