@@ -108,6 +108,9 @@ write_config() {
     echo "MailProg=/bin/true"
     echo "AccountingStorageType=accounting_storage/none"
     echo "MinJobAge=600"
+    # a requeued job waits until its old credential expires (default 120 s, BeginTime); starting it
+    # earlier races slurmd's revoked-credential record ("Job credential revoked"). Short here.
+    echo "AuthInfo=cred_expire=10"
     for n in $(node_names); do
       port=$((port + 1)); mkdir -p "$DIR/spool/$n"
       echo "NodeName=$n NodeHostname=$HOST NodeAddr=127.0.0.1 Port=$port CPUs=$CPUS RealMemory=$mem"

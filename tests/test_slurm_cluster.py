@@ -97,9 +97,16 @@ def _logged_steps(run_dir: Path) -> list:
     return [r["step"] for r in records if r.get("type") == "LOG" and isinstance(r.get("step"), int)]
 
 
-def _explain(run_dir: Path, job_id: str) -> str:
-    texts = [p.read_text()[-3000:] for p in sorted((run_dir / "slurm").glob(f"*-{job_id}.out"))]
+def _explain(run_dir: Path, job_id: str, state: Path | None = None) -> str:
+    """The job's record, its batch and node logs and, given the cluster's folder, what Slurm logged about it."""
+    job = _job(job_id)
+    texts = [" ".join(f"{k}={job.get(k)}" for k in ("JobState", "Reason", "ExitCode", "Restarts", "BeginTime"))]
+    texts += [p.read_text()[-3000:] for p in sorted((run_dir / "slurm").glob(f"*-{job_id}.out"))]
     texts += [f"--- {p}\n" + p.read_text()[-3000:] for p in sorted((run_dir / "slurm").glob(f"{job_id}/restart-*/*.log"))]
+    if state is not None:
+        for log in sorted((state / "log").glob("slurm*.log")):
+            lines = [line for line in log.read_text(errors="replace").splitlines() if f"{job_id}" in line]
+            texts.append(f"--- {log.name}\n" + "\n".join(lines[-20:]))
     return "\n".join(texts)
 
 
@@ -173,12 +180,10 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
         _wait_for(requeued, 180, "the job to requeue itself", poll=0.5)
 
         def restarted():
+            # Slurm holds a requeued job until its old credential expires (AuthInfo=cred_expire, 10 s in
+            # slurm/local_cluster.sh); forcing an earlier start races slurmd ("Job credential revoked").
             job = _job(job_id)
-            if job.get("JobState") == "PENDING":
-                # Slurm holds a requeued job for about two minutes (BeginTime); release it now
-                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
-                return None
-            return job if job.get("JobState") not in ("COMPLETING", "REQUEUED", "REQUEUE_FED") else None
+            return job if job.get("JobState") not in ("PENDING", "COMPLETING", "REQUEUED", "REQUEUE_FED") else None
 
         _wait_for(restarted, 120, "the requeued job to start again", poll=0.5)
         final = _wait_for(lambda: _job(job_id) if _job(job_id).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED",
@@ -186,9 +191,9 @@ def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
                           400, "the requeued run to finish")
     except BaseException:
         subprocess.run(["scancel", job_id])
-        print(_explain(run_dir, job_id))
+        print(_explain(run_dir, job_id, slurm_cluster))
         raise
-    assert final["JobState"] == "COMPLETED" and final["ExitCode"] == "0:0", _explain(run_dir, job_id)
+    assert final["JobState"] == "COMPLETED" and final["ExitCode"] == "0:0", _explain(run_dir, job_id, slurm_cluster)
     assert final["Restarts"] == "1"
     batch_log = (run_dir / "slurm" / f"tiny_llama_cpu-{job_id}.out").read_text()
     assert "got USR1" in batch_log and f"requeueing job {job_id}" in batch_log
