@@ -105,7 +105,7 @@ def _explain(run_dir: Path, job_id: str, state: Path | None = None) -> str:
     texts += [f"--- {p}\n" + p.read_text()[-3000:] for p in sorted((run_dir / "slurm").glob(f"{job_id}/restart-*/*.log"))]
     if state is not None:
         for log in sorted((state / "log").glob("slurm*.log")):
-            lines = [line for line in log.read_text(errors="replace").splitlines() if f"{job_id}" in line]
+            lines = [line for line in log.read_text(errors="replace").splitlines() if re.search(rf"\b{job_id}\b", line)]
             texts.append(f"--- {log.name}\n" + "\n".join(lines[-20:]))
     return "\n".join(texts)
 
