@@ -232,10 +232,7 @@ def _read(sharded: Dict[str, Any], ckpt: Path) -> Dict[str, Any]:
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     try:
-        absent = io.absent_extra_states(sharded, ckpt)
-        loaded = io.load(io.without(sharded, absent) if absent else sharded, ckpt)
-        io.put_none(loaded, absent)
-        return loaded
+        return io.load_allowing_absent_extra_states(sharded, ckpt)
     except RecipeError:
         raise
     except (Exception, CheckpointException) as exc:

@@ -27,7 +27,7 @@ import logging
 import queue
 import random
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -264,57 +264,33 @@ def load(sharded_sd: Dict[str, Any], directory: Path) -> Dict[str, Any]:
     return dist_checkpointing.load(sharded_sd, str(directory), sharded_strategy=strategy)
 
 
-def absent_extra_states(sharded_sd: Dict[str, Any], directory: Path) -> List[Tuple[Any, ...]]:
-    """Paths of requested ``*._extra_state`` objects the checkpoint does not hold.
+def load_allowing_absent_extra_states(sharded_sd: Dict[str, Any], directory: Path) -> Dict[str, Any]:
+    """``load``, except that requested ``*._extra_state`` objects the checkpoint lacks come back as ``None``.
 
     Transformer Engine modules carry ``_extra_state`` (FP8 scaling history); checkpoints written without
-    TE (the CPU lane, ``convert import``) have none. Such an entry is dropped from the load and given
-    back as ``None``, which TE's ``set_extra_state`` treats as "keep the defaults", so a CPU-written
-    checkpoint loads on a TE GPU. Every other missing key still fails the load.
+    TE (the CPU lane, ``convert import``) have none. ``None`` is what TE's ``set_extra_state`` treats as
+    "keep the defaults", so a CPU-written checkpoint loads on a TE GPU. Every other missing key still
+    fails the load.
     """
     from megatron.core.dist_checkpointing import ShardedObject
+    from megatron.core.dist_checkpointing.dict_utils import (
+        dict_list_map_outplace,
+        extract_matching_values,
+        merge,
+        nested_values,
+    )
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
-    paths = [path for path, item in _walk(sharded_sd) if isinstance(item, ShardedObject) and item.key.endswith("_extra_state")]
-    if not paths:
-        return []
-    stored = load_sharded_metadata(str(directory))
-    stored_keys = {item.key for item in stored.values() if isinstance(item, ShardedObject)}
-    return [path for path in paths if _at(sharded_sd, path).key not in stored_keys]
+    def extra_state(x: Any) -> bool:
+        return isinstance(x, ShardedObject) and x.key.endswith("_extra_state")
 
-
-def without(tree: Dict[str, Any], paths: List[Tuple[Any, ...]]) -> Dict[str, Any]:
-    """A copy of the nested dict ``tree`` lacking the entries at ``paths`` (the original is untouched)."""
-    drop = set(paths)
-
-    def copy(node: Any, prefix: Tuple[Any, ...]) -> Any:
-        if not isinstance(node, dict):
-            return node
-        return {k: copy(v, prefix + (k,)) for k, v in node.items() if prefix + (k,) not in drop}
-
-    return copy(tree, ())
-
-
-def put_none(tree: Dict[str, Any], paths: List[Tuple[Any, ...]]) -> None:
-    for path in paths:
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = None
-
-
-def _walk(node: Any, prefix: Tuple[Any, ...] = ()) -> Iterator[Tuple[Tuple[Any, ...], Any]]:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield from _walk(value, prefix + (key,))
-    else:
-        yield prefix, node
-
-
-def _at(tree: Dict[str, Any], path: Tuple[Any, ...]) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
+    if not any(extra_state(x) for x in nested_values(sharded_sd)):
+        return load(sharded_sd, directory)
+    stored = {x.key for x in load_sharded_metadata(str(directory)).values() if isinstance(x, ShardedObject)}
+    absent, present = extract_matching_values(sharded_sd, lambda x: extra_state(x) and x.key not in stored)
+    if not absent:
+        return load(sharded_sd, directory)
+    return merge(load(present, directory), dict_list_map_outplace(lambda _: None, absent))
 
 
 def tensor_mismatches(sharded_sd: Dict[str, Any], directory: Path, limit: int = 12) -> List[str]:
