@@ -84,30 +84,38 @@ def pipeline_stage_layers(cfg: RunConfig) -> list[list[range]]:
 
     Virtual stages are filled in schedule order (chunk-major, then pipeline rank), each chunk taking
     its share: ``num_layers_in_first/last_pipeline_stage / vpp`` on the first/last rank when set, the
-    remaining layers split evenly over the other ranks. Counts that do not divide are floored; the
-    validation rules report such layouts, so callers only see them for invalid recipes.
+    remaining layers split evenly over the other ranks. With ``account_for_embedding/loss_in_pipeline_split``
+    the embedding and the loss each take one layer's slot: the first chunk of rank 0 and the last chunk
+    of the last rank build one layer fewer (megatron-core's ``get_num_layers_to_build``). Counts that
+    do not divide are floored; the validation rules report such layouts.
     """
     p, layers = cfg.parallel, cfg.model.num_layers
     pp, vpp = max(1, p.pp), virtual_pipeline_size(cfg)
     first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
     if pp == 1:
         first = last = None
+    emb = int(p.account_for_embedding_in_pipeline_split and first is None and last is None)
+    loss = int(p.account_for_loss_in_pipeline_split and first is None and last is None)
+    slots = layers + emb + loss
     middle_ranks = pp - (first is not None) - (last is not None)
-    middle_layers = layers - (first or 0) - (last or 0)
+    middle_layers = slots - (first or 0) - (last or 0)
     per_middle_rank = middle_layers // middle_ranks if middle_ranks > 0 else 0
 
-    def chunk_size(rank: int) -> int:
+    def chunk_size(rank: int, v: int) -> int:
         if rank == 0 and first is not None:
             return first // vpp
         if rank == pp - 1 and last is not None:
             return last // vpp
-        return per_middle_rank // vpp
+        n = per_middle_rank // vpp
+        n -= emb if (rank == 0 and v == 0) else 0
+        n -= loss if (rank == pp - 1 and v == vpp - 1) else 0
+        return max(0, n)
 
     stages: list[list[range]] = [[range(0)] * vpp for _ in range(pp)]
     offset = 0
     for v in range(vpp):
         for rank in range(pp):
-            n = chunk_size(rank)
+            n = chunk_size(rank, v)
             stages[rank][v] = range(offset, offset + n)
             offset += n
     return stages

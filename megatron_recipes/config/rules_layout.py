@@ -176,18 +176,39 @@ def _sp_seq(cfg: RunConfig) -> Optional[str]:
     return f"train.seq_length={s} / parallel.cp={p.cp} = {local} tokens per CP rank is not divisible by parallel.tp={p.tp}"
 
 
+def _account_proposal(layers: int, pp: int, vpp: int) -> str:
+    """The account_for_* overrides that make ``layers`` split over pp x vpp, or ''."""
+    for emb, loss in ((1, 1), (1, 0), (0, 1)):
+        if (layers + emb + loss) % (pp * vpp) == 0:
+            flags = [f"parallel.account_for_{n}_in_pipeline_split=true" for n, on in (("embedding", emb), ("loss", loss)) if on]
+            return (
+                f"; {' '.join(flags)} counts the {' and the '.join(n for n, on in (('embedding', emb), ('loss', loss)) if on)} "
+                f"as a layer: {layers}+{emb + loss} = {layers + emb + loss} = {pp}x{vpp}x{(layers + emb + loss) // (pp * vpp)} "
+                "slots per virtual stage (the first/last chunk then builds one layer fewer)"
+            )
+    return ""
+
+
 def pipeline_split_problem(cfg: RunConfig) -> Optional[str]:
     """Why the layers cannot be split over pp x vpp (megatron-core's even/uneven rules), or None."""
     p, layers = cfg.parallel, cfg.model.num_layers
     vpp = p.vpp or 1
     first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
+    emb, loss = int(p.account_for_embedding_in_pipeline_split), int(p.account_for_loss_in_pipeline_split)
+    if (emb or loss) and (first is not None or last is not None):
+        return (
+            "parallel.account_for_embedding/loss_in_pipeline_split cannot be combined with "
+            "parallel.num_layers_in_first/last_pipeline_stage (megatron-core accepts one way of splitting unevenly)"
+        )
     if first is None and last is None:
-        if layers % (p.pp * vpp):
-            ok = [d for d in divisors(layers // vpp if layers % vpp == 0 else 0)]
+        slots = layers + emb + loss
+        if slots % (p.pp * vpp):
+            ok = [d for d in divisors(slots // vpp if slots % vpp == 0 else 0)]
+            counted = f"model.num_layers={layers}" + (f" + {emb + loss} (embedding/loss counted as layers)" if emb or loss else "")
             return (
-                f"model.num_layers={layers} is not divisible by parallel.pp*vpp = {p.pp}*{vpp} = {p.pp * vpp}; "
+                f"{counted} is not divisible by parallel.pp*vpp = {p.pp}*{vpp} = {p.pp * vpp}; "
                 f"use parallel.pp in {choices(ok)} (with vpp={p.vpp}), or set "
-                "parallel.num_layers_in_first/last_pipeline_stage"
+                "parallel.num_layers_in_first/last_pipeline_stage" + ("" if emb or loss else _account_proposal(layers, p.pp, vpp))
             )
         return None
     if p.pp < 2:
@@ -213,9 +234,12 @@ def pipeline_split_problem(cfg: RunConfig) -> Optional[str]:
 
 @rule(
     "pp.layer_split",
-    ["model.num_layers", "parallel.pp", "parallel.vpp", "parallel.num_layers_in_first_pipeline_stage", "parallel.num_layers_in_last_pipeline_stage"],
-    "the layers split over pp x vpp as megatron-core requires (evenly, or with the first/last-stage options)",
-    "choose pp (and vpp) dividing num_layers, or set num_layers_in_first/last_pipeline_stage",
+    ["model.num_layers", "parallel.pp", "parallel.vpp", "parallel.num_layers_in_first_pipeline_stage", "parallel.num_layers_in_last_pipeline_stage",
+     "parallel.account_for_embedding_in_pipeline_split", "parallel.account_for_loss_in_pipeline_split"],
+    "the layers split over pp x vpp as megatron-core requires (evenly, with the first/last-stage sizes, or with the "
+    "embedding/loss counted as layers)",
+    "choose pp (and vpp) dividing num_layers, set num_layers_in_first/last_pipeline_stage, or "
+    "parallel.account_for_embedding/loss_in_pipeline_split=true",
 )
 def _pp_layer_split(cfg: RunConfig) -> Optional[str]:
     return pipeline_split_problem(cfg) if degrees_ok(cfg) else None

@@ -24,9 +24,13 @@ def _arch(cfg: RunConfig) -> Optional[str]:
     return one_of(cfg.cluster.gpu_arch, GPU_ARCHS, "cluster.gpu_arch")
 
 
+_RATES = ("peak_bf16_tflops", "peak_fp8_tflops", "peak_fp4_tflops", "hbm_bw_gbps", "intra_node_bw_gbps", "inter_node_bw_gbps")
+
+
 @rule(
     "cluster.memory",
-    ["cluster.gpu_memory_gb", "cluster.peak_bf16_tflops", "cluster.intra_node_bw_gbps", "cluster.inter_node_bw_gbps"],
+    ["cluster.gpu_memory_gb", "cluster.peak_bf16_tflops", "cluster.peak_fp8_tflops", "cluster.peak_fp4_tflops",
+     "cluster.hbm_bw_gbps", "cluster.intra_node_bw_gbps", "cluster.inter_node_bw_gbps"],
     "device memory is positive; peak FLOP/s and bandwidths are non-negative (0 = unknown)",
     "fix the cluster config",
 )
@@ -34,7 +38,7 @@ def _memory(cfg: RunConfig) -> Optional[str]:
     c = cfg.cluster
     if c.gpu_memory_gb <= 0:
         return f"cluster.gpu_memory_gb={c.gpu_memory_gb} must be > 0"
-    bad = [f"cluster.{n}={getattr(c, n)}" for n in ("peak_bf16_tflops", "intra_node_bw_gbps", "inter_node_bw_gbps") if getattr(c, n) < 0]
+    bad = [f"cluster.{n}={getattr(c, n)}" for n in _RATES if getattr(c, n) < 0]
     return f"{', '.join(bad)} must be >= 0" if bad else None
 
 

@@ -97,6 +97,10 @@ class ParallelConfig:
     moe_flex_backend: str = "deepep"  # deepep | hybridep (only with moe_dispatcher=flex)
     num_layers_in_first_pipeline_stage: Optional[int] = None
     num_layers_in_last_pipeline_stage: Optional[int] = None
+    # count the embedding / the loss as one layer each when splitting the pipeline (megatron-core's
+    # account_for_*_in_pipeline_split): 126 layers + 2 = 128 = pp8 x vpp8 x 2 for Llama 3.1 405B
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
     allow_inter_node_tp: bool = False  # TP groups leaving the NVLink domain are an error unless set
     allow_inter_node_ep: bool = False  # EP groups leaving the NVLink domain are an error unless set
     overlap_grad_reduce: bool = False
@@ -114,8 +118,11 @@ class ClusterConfig:
     gpu_memory_gb: float = MISSING
     gpu_arch: str = MISSING  # cpu | ampere | hopper | blackwell
     peak_bf16_tflops: float = 0.0  # dense, per GPU; 0 on CPU (MFU reported as n/a)
-    intra_node_bw_gbps: float = 0.0  # GB/s per GPU, NVLink
-    inter_node_bw_gbps: float = 0.0  # GB/s per GPU, network
+    peak_fp8_tflops: float = 0.0  # dense, per GPU; 0: the GPU has no FP8 tensor cores
+    peak_fp4_tflops: float = 0.0  # dense, per GPU; 0: the GPU has no FP4 tensor cores
+    hbm_bw_gbps: float = 0.0  # GB/s per GPU, HBM (memory-bound kernels); 0 on CPU
+    intra_node_bw_gbps: float = 0.0  # GB/s per GPU, NVLink, one direction
+    inter_node_bw_gbps: float = 0.0  # GB/s per GPU, network, one direction
     # Scheduler / container (used by `megatron-recipes slurm`)
     account: Optional[str] = None
     partition: Optional[str] = None

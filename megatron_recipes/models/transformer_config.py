@@ -47,6 +47,8 @@ def _parallel_fields(cfg: RunConfig, on_gpu: bool) -> Dict[str, Any]:
         "cp_comm_type": p.cp_comm_type,
         "num_layers_in_first_pipeline_stage": p.num_layers_in_first_pipeline_stage,
         "num_layers_in_last_pipeline_stage": p.num_layers_in_last_pipeline_stage,
+        "account_for_embedding_in_pipeline_split": p.account_for_embedding_in_pipeline_split,
+        "account_for_loss_in_pipeline_split": p.account_for_loss_in_pipeline_split,
         # Megatron-LM's defaults: unbatched p2p, overlapped under VPP. On gloo (CPU lane) both the batched
         # path and the overlapped one gave wrong PP=2 x VPP=2 losses without any error (messages to the
         # same peer matched out of order / send buffers released before the async send read them), so

@@ -82,6 +82,14 @@ def dims_of(cfg: RunConfig) -> Dims:
     )
 
 
+def linear_input_bytes(cfg: RunConfig, x: Dims) -> float:
+    """Bytes per element a Transformer Engine linear keeps of its input: FP8/FP4 recipes keep the
+    quantised copy (1 byte, scales aside), bf16 the input itself."""
+    if x.kernels == "te" and (cfg.precision.fp8 or cfg.precision.fp4):
+        return 1
+    return x.act
+
+
 def local_sdpa(cfg: RunConfig) -> bool:
     """The project's local spec computes core attention with torch SDPA, except for sliding windows
     (megatron-core's unfused path, which materialises the scores)."""
@@ -97,7 +105,7 @@ def norm_bytes(cfg: RunConfig, x: Dims) -> float:
     """
     hs = x.hidden / x.sp
     if x.kernels == "te":
-        return 2 * hs * x.act + FP32 / x.sp
+        return hs * (x.act + linear_input_bytes(cfg, x)) + FP32 / x.sp
     if cfg.model.normalization == "LayerNorm":
         return 2 * hs * x.act + 2 * FP32 / x.sp
     return 3 * hs * x.act + FP32 / x.sp
@@ -117,7 +125,8 @@ def attention_bytes(cfg: RunConfig, x: Dims, recompute: str) -> float:
         per_token = (a + g) * d + qkv_storage + a * d
         if m.qk_layernorm:
             per_token += (a + g) * d + (a * d if a > g else 0)
-        return total + T * (per_token * x.act + a * FP32)  # + softmax log-sum-exp
+        proj_copy = a * d * linear_input_bytes(cfg, x) if linear_input_bytes(cfg, x) != x.act else 0  # FP8 copy
+        return total + T * (per_token * x.act + proj_copy + a * FP32)  # + softmax log-sum-exp
     # local spec: rope'd q; k and v expanded to all heads under GQA (v is a view of QKV under MHA)
     keeps_qkv = m.qk_layernorm or a == g
     per_token = a * d + a * d  # q, output (= linear_proj input)
@@ -160,11 +169,11 @@ def mlp_bytes(cfg: RunConfig, x: Dims, ffn: int, with_norm: bool = True) -> floa
     """A (gated) MLP with FFN width ``ffn`` split over TP, with or without its pre-norm."""
     f = ffn / x.tp
     gated = cfg.model.activation == "swiglu"
-    if x.kernels == "te":
-        inner = 3 * f if gated else 2 * f  # fused SwiGLU keeps FC1's output; FC2 keeps its input
+    if x.kernels == "te":  # fused SwiGLU keeps FC1's output; FC2 keeps its input (FP8 under FP8 recipes)
+        total = x.tokens * ((2 * f if gated else f) * x.act + f * linear_input_bytes(cfg, x))
     else:
         inner = 5 * f if gated else 2 * f  # + SiLU output and the linear half (x + offset)
-    total = x.tokens * inner * x.act
+        total = x.tokens * inner * x.act
     return total + (x.tokens * norm_bytes(cfg, x) if with_norm else 0.0)
 
 
@@ -179,8 +188,11 @@ def moe_bytes(cfg: RunConfig, x: Dims) -> float:
     routed = local_tokens * k * etp  # tokens this rank's experts process, on average
     f_e = (m.moe_ffn_hidden_size or m.ffn_hidden_size) / etp
     # local: permuted input, FC1 output, SiLU, linear half, prob-weighted product; te: grouped GEMMs
-    per_routed = x.hidden + 6 * f_e if x.kernels == "local" else 2 * x.hidden + 3 * f_e
-    total += routed * per_routed * x.act
+    if x.kernels == "local":
+        total += routed * (x.hidden + 6 * f_e) * x.act
+    else:  # grouped GEMMs keep their inputs (quantised under FP8/FP4), FC1's output, and the expert output
+        lib = linear_input_bytes(cfg, x)  # that unpermute keeps for the routing probabilities' gradient
+        total += routed * ((x.hidden + f_e) * lib + (x.hidden + 2 * f_e) * x.act)
     if m.moe_shared_expert_intermediate_size:
         total += mlp_bytes(cfg, x, m.moe_shared_expert_intermediate_size, with_norm=False)
     return total

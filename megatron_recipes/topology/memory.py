@@ -75,10 +75,24 @@ def optimizer_bytes_per_param(cfg: RunConfig) -> float:
     return master + 8
 
 
-def model_state_bytes(cfg: RunConfig, params: ParamCount) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes on one rank holding ``params``."""
+def weight_bytes_per_param(cfg: RunConfig) -> float:
+    """Weight storage per parameter. FP8 recipes: with ``fp8_param_gather`` the weights are FP8 (1 B),
+    otherwise bf16 plus the FP8 copy TE casts each step (+1 B); on Hopper TE also caches the FP8
+    transpose for the backward GEMMs (+1 B; Blackwell's tensor cores read either layout). Counted for
+    every parameter (embeddings stay bf16: a slight overcount)."""
     prec = cfg.precision
-    weight = 1 if prec.fp8_param_gather else _DTYPE_BYTES.get(prec.params_dtype, 2)
+    base = _DTYPE_BYTES.get(prec.params_dtype, 2)
+    if not (prec.fp8 or prec.fp4) or cfg.cluster.gpu_arch == "cpu":
+        return 1 if prec.fp8_param_gather else base
+    fp8 = 1 + (1 if cfg.cluster.gpu_arch == "hopper" else 0)
+    return fp8 if prec.fp8_param_gather else base + fp8
+
+
+def model_state_bytes(cfg: RunConfig, params: ParamCount) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes on one rank holding ``params``; separate figures so that a
+    sharding divisor (FSDP) applies to each cleanly."""
+    prec = cfg.precision
+    weight = weight_bytes_per_param(cfg)
     grad = 4 if (prec.grad_reduce_in_fp32 or prec.params_dtype == "fp32") else 2
     per = optimizer_bytes_per_param(cfg)
     if cfg.peft.method != "none":  # frozen base: no grads or optimizer state (adapters are not counted)

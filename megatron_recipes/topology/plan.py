@@ -12,7 +12,8 @@ from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.topology.groups import GroupKind, build_group_map, coordinates
 from megatron_recipes.topology.memory import GB, estimate_memory
 from megatron_recipes.topology.params import active_params, model_params
-from megatron_recipes.topology.steptime import ASSUMED_MFU, estimate_step_time
+from megatron_recipes.topology import rates
+from megatron_recipes.topology.steptime import estimate_step_time
 
 SHOWN_GROUPS = 3  # groups listed per kind unless --all-groups
 SHOWN_RANKS = 16  # ranks in the per-rank map unless --all-groups
@@ -98,12 +99,16 @@ def memory_dict(cfg: RunConfig) -> Dict[str, Any]:
 def time_dict(cfg: RunConfig, groups: Dict[str, GroupKind]) -> Dict[str, Any]:
     st = estimate_step_time(cfg, groups)
     return {
-        "assumed_mfu": ASSUMED_MFU,
         "nominal_rates": st.nominal,
         "step_s": st.total,
         "tokens_per_s_per_gpu": st.tokens_per_s_per_gpu,
+        "spread": st.spread,
         "model_mfu": st.mfu,
         "breakdown_s": st.breakdown(),
+        "dominant": st.dominant(),
+        "assumptions": st.assumptions,
+        "gemm_format": rates.gemm_format(cfg),
+        "gemm_efficiency": rates.GEMM_EFFICIENCY[rates.gemm_format(cfg)],
     }
 
 

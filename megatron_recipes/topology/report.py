@@ -113,8 +113,15 @@ def _render_time(st: Dict[str, Any], console: Console) -> None:
     if st["nominal_rates"]:
         console.print(f"estimated step (nominal CPU rates, for comparing layouts only): {st['step_s']:.3g}s ({parts})")
         return
-    console.print(f"estimated step: {st['step_s']:.3g}s ({parts}); {st['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, "
-                  f"model MFU {st['model_mfu'] * 100:.0f}% (matmuls assumed at {st['assumed_mfu'] * 100:.0f}% of peak)")
+    tps, sp = st["tokens_per_s_per_gpu"], st["spread"]
+    console.print(f"estimated step: {st['step_s']:.3g}s ({parts})")
+    console.print(f"throughput: {tps:,.0f} tokens/s/GPU, likely {tps * (1 - sp):,.0f} to {tps * (1 + sp):,.0f} (+/-{sp:.0%}); "
+                  f"model MFU {st['model_mfu'] * 100:.0f}% of the bf16 peak")
+    dominant = ", ".join(f"{k} {share:.0%}" for k, share in st["dominant"])
+    console.print(f"dominant terms: {dominant}; {st['gemm_format']} GEMMs at {st['gemm_efficiency']:.0%} of their peak "
+                  "(constants and their sources: topology/rates.py)")
+    for line in st["assumptions"]:
+        console.print(f"  assumed: {line}")
 
 
 def search_rows(result: SearchResult, user_overrides: Sequence[str] = ()) -> List[Dict[str, Any]]:

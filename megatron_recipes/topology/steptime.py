@@ -1,62 +1,76 @@
-"""An analytic step-time model, used to rank layouts (not to promise throughput).
+"""An analytic step-time model, checked against published measurements (``tests/test_published.py``).
 
-Model, per training step on the slowest pipeline stage:
+Per training step, on the slowest pipeline stage:
 
-    step = (M + (pp - 1) / vpp) * (t_compute + t_tp + t_cp + t_ep + t_pp)  +  t_dp_exposed
+    step = (M + (pp - 1) / vpp) * (t_gemm + t_attn + t_mem + t_tp + t_cp + t_ep + t_pp) + t_dp + t_opt
 
-* ``t_compute``: FLOPs of one microbatch on the stage / (tp * cp) at ``ASSUMED_MFU`` x the cluster's
-  ``peak_bf16_tflops``. FLOPs: 2 per weight per token for every matmul (top-k experts only), causal
-  attention ``s * heads * (d_qk + d_v)`` per token, the logits; backward = 2 x forward; full recompute
-  adds one forward of the layers, selective one forward of core attention. FP8/FP4 are counted at the
-  bf16 rate (conservative).
-* ``t_tp``: per layer, 4 all-reduce-equivalents of the ``tokens x hidden`` activation (2 forward,
-  2 backward; 6 with full recompute), each moving ``2 (tp - 1) / tp`` of it, not overlapped.
-* ``t_cp``: per layer, each rank's K/V chunk passes ``cp - 1`` times forward and twice as much backward.
-* ``t_ep``: per MoE layer, token dispatch + combine (all-to-all, forward and backward) of ``k`` copies
-  of each local token, ``(ep - 1) / ep`` of it leaving the rank.
+* ``t_gemm``: linear-layer FLOPs of one microbatch on the stage (top-k experts only; recompute adds its
+  forward again) at ``peak(format) x GEMM_EFFICIENCY[format] x size factor`` (``rates.py``); the output
+  layer and router run in bf16, the transformer layers' GEMMs in the recipe's format (bf16, FP8, FP4).
+* ``t_attn``: causal core attention, ``s/2 * heads * (d_qk + d_v) * 2`` FLOPs per token forward (half of
+  the full square: flash attention skips masked tiles), in bf16 at ``ATTENTION_EFFICIENCY``.
+* ``t_mem``: memory-bound kernels (norms, RoPE, SwiGLU, casts, MoE permutation) as ``MEMORY_PASSES`` x
+  the activation bytes the stage saves per microbatch, at the HBM bandwidth.
+* ``t_tp``: with SP, 4 all-gathers/reduce-scatters forward and 4 backward per layer of the ``tokens x
+  hidden`` activation (6+6 where full recompute repeats the forward), ``TP_EXPOSED`` of it not hidden.
+* ``t_cp``: ``p2p``: each rank's K/V chunk moves ``cp - 1`` times forward and ``2 (cp - 1)`` backward,
+  hidden behind the attention it overlaps with; ``all_gather``: the same volume as all-gather +
+  reduce-scatter, exposed; ``a2a``: Q, K, V and the output re-sharded forward and backward, exposed.
+* ``t_ep``: per MoE layer, dispatch + combine forward and backward of ``k`` copies of each local token,
+  ``(ep - 1) / ep`` of them leaving the rank, at ``ALL_TO_ALL_EFFICIENCY`` of the slower link used.
 * ``t_pp``: activation send forward + gradient send backward per microbatch and model chunk.
-* ``t_dp``: distributed optimizer reduce-scatter of fp32 (or bf16) grads + all-gather of parameters
-  over DP x CP (expert-DP for experts); with ``parallel.overlap_grad_reduce`` only what does not hide
-  behind one microbatch's compute is exposed.
+* ``t_dp``: reduce-scatter of gradients + all-gather of parameters (distributed optimizer) or an
+  all-reduce, over DP x CP (expert-DP for experts); with ``overlap_grad_reduce`` only what does not hide
+  behind the last microbatch's backward is exposed. ``t_opt``: the optimizer step streams its state.
 
-Each communication uses the cluster's NVLink bandwidth when its group stays inside an NVLink domain,
-else the per-GPU network bandwidth. CPU clusters (no peak given) use nominal rates: times are relative.
+Bandwidths: NVLink when a group stays inside an NVLink domain, else the per-GPU network figure, both
+times ``LINK_EFFICIENCY``. CPU clusters (no peak given) use nominal rates: times are relative only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict
+from dataclasses import dataclass, field
+from typing import Dict, List
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.schema import ModelConfig, RunConfig
-from megatron_recipes.topology import schedule
+from megatron_recipes.topology import activations, rates, schedule
 from megatron_recipes.topology.params import Shard, attention_params, mlp_params, stage_params
 
-ASSUMED_MFU = 0.5  # share of peak bf16 FLOP/s that the matmuls sustain
 NOMINAL_TFLOPS = 1.0  # CPU clusters: relative ranking only
 NOMINAL_BW_GBPS = 10.0
 _ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+TERMS = ("gemm", "attention", "memory", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer")
 
 
 @dataclass(frozen=True)
 class StepTime:
-    compute: float  # seconds per step, bubble excluded
+    gemm: float  # seconds per step, all microbatches, bubble excluded
+    attention: float
+    memory: float
     bubble: float
     tp: float
     cp: float
     ep: float
     pp: float
     dp: float  # exposed
+    optimizer: float
     tokens_per_step: int
     world: int
     model_flops_per_token: float
-    peak_flops: float
+    peak_flops: float  # bf16 dense peak, the MFU denominator
     nominal: bool  # True when the cluster gave no peak (CPU): a relative figure
+    tp_unoverlapped: float = 0.0  # TP time had nothing been overlapped (our trainer today)
+    spread: float = 0.0  # relative uncertainty of the throughput
+    assumptions: List[str] = field(default_factory=list)
+
+    @property
+    def compute(self) -> float:
+        return self.gemm + self.attention + self.memory
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp + self.cp + self.ep + self.pp + self.dp
+        return sum(getattr(self, k) for k in TERMS)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -64,19 +78,26 @@ class StepTime:
 
     @property
     def mfu(self) -> float:
+        """Model FLOPs (no recompute) per second over the bf16 dense peak, as NVIDIA's tables count."""
         return self.model_flops_per_token * self.tokens_per_step / (self.total * self.world * self.peak_flops)
 
     def breakdown(self) -> Dict[str, float]:
-        return {k: getattr(self, k) for k in ("compute", "bubble", "tp", "cp", "ep", "pp", "dp")}
+        return {k: getattr(self, k) for k in TERMS}
+
+    def dominant(self, n: int = 3) -> List[tuple[str, float]]:
+        """The ``n`` largest terms with their share of the step."""
+        parts = sorted(self.breakdown().items(), key=lambda kv: -kv[1])
+        return [(k, v / self.total) for k, v in parts[:n] if v > 0]
 
 
 def _attention_core_flops(m: ModelConfig, seq: int) -> float:
-    """Causal QK^T and PV per token (forward)."""
+    """Causal QK^T and PV per token, forward: half the s x s square (masked tiles are skipped)."""
     if m.multi_latent_attention:
         d_qk, d_v = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
     else:
         d_qk = d_v = derived.head_dim(m)
-    return seq * m.num_attention_heads * (d_qk + d_v)
+    window = min(seq, m.sliding_window) if m.sliding_window else seq / 2
+    return 2.0 * window * m.num_attention_heads * (d_qk + d_v)
 
 
 def layer_forward_flops(m: ModelConfig, layer: int, seq: int) -> tuple[float, float]:
@@ -106,26 +127,172 @@ def model_flops_per_token(cfg: RunConfig) -> float:
     return 3.0 * fwd
 
 
-def _stage_compute_flops(cfg: RunConfig, pp_rank: int) -> float:
-    """Training FLOPs of one microbatch through one stage, recompute included, whole TP x CP group."""
-    m, t = cfg.model, cfg.train
+def _smallest_gemm_dim(cfg: RunConfig, moe: bool) -> float:
+    """The thinnest dimension of the layer's GEMMs on one rank (tokens per expert for MoE layers)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tokens = t.micro_batch_size * t.seq_length / p.cp
+    dims = [m.hidden_size / p.tp, tokens]
+    if moe:
+        etp = derived.expert_tensor_parallel_size(cfg)
+        per_expert = tokens * m.moe_router_topk * p.ep / (p.tp if p.sp else 1) / m.num_moe_experts
+        dims += [(m.moe_ffn_hidden_size or m.ffn_hidden_size) / etp, per_expert]
+    else:
+        dims.append(m.ffn_hidden_size / p.tp)
+    return min(dims)
+
+
+def _stage_compute(cfg: RunConfig, pp_rank: int, peak_bf16: float, peak_fmt: float) -> tuple[float, float, float]:
+    """(gemm, attention, memory) seconds for one microbatch through one stage on one GPU."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
     tokens = t.micro_batch_size * t.seq_length
-    total = 0.0
-    kinds = {moe: kind_forward_flops(m, moe, t.seq_length) for moe in {derived.is_moe_layer(m, i) for i in range(m.num_layers)}}
+    width = p.tp * p.cp
+    fmt = rates.gemm_format(cfg)
+    kinds = (False, True) if derived.is_moe(m) else (False,)
+    gemm_rate = {moe: peak_fmt * rates.GEMM_EFFICIENCY[fmt] * rates.gemm_size_factor(_smallest_gemm_dim(cfg, moe)) for moe in kinds}
+    attn_rate = peak_bf16 * rates.ATTENTION_EFFICIENCY
+    gemm = attn = 0.0
     for chunk in derived.pipeline_stage_layers(cfg)[pp_rank]:
         recomputed = len(chunk)
         if t.recompute == "full" and t.recompute_method == "block":
             recomputed = min(len(chunk), max(1, t.recompute_num_layers))
         for j, i in enumerate(chunk):
-            mm, core = kinds[derived.is_moe_layer(m, i)]
-            if t.recompute == "full" and j < recomputed:
-                extra = mm + core
-            else:
-                extra = core if t.recompute == "selective" else 0.0
-            total += 3.0 * (mm + core) + extra
-    if pp_rank == max(1, cfg.parallel.pp) - 1:
-        total += 3.0 * 2.0 * m.hidden_size * derived.padded_vocab_size(m, cfg.parallel.tp)
-    return total * tokens
+            moe = derived.is_moe_layer(m, i)
+            mm, core = kind_forward_flops(m, moe, t.seq_length)
+            passes = 3.0 + (1.0 if t.recompute == "full" and j < recomputed else 0.0)
+            core_passes = passes + (1.0 if t.recompute == "selective" else 0.0)
+            gemm += passes * mm * tokens / width / gemm_rate[moe]
+            attn += core_passes * core * tokens / width / attn_rate
+    if pp_rank == max(1, p.pp) - 1:  # output layer, bf16
+        head = 3.0 * 2.0 * m.hidden_size * derived.padded_vocab_size(m, p.tp) * tokens / width
+        gemm += head / (peak_bf16 * rates.GEMM_EFFICIENCY["bf16"])
+    saved = sum(activations.chunk_bytes(cfg, list(c), first=False, last=False) for c in derived.pipeline_stage_layers(cfg)[pp_rank])
+    hbm = cfg.cluster.hbm_bw_gbps * 1e9 * rates.HBM_EFFICIENCY if cfg.cluster.hbm_bw_gbps > 0 else NOMINAL_BW_GBPS * 1e9
+    memory = rates.MEMORY_PASSES * saved / hbm
+    return gemm, attn, memory
+
+
+def _bandwidth(cfg: RunConfig, kind: str, groups) -> float:
+    c = cfg.cluster
+    intra = groups[kind].intra_nvlink if kind in groups else True
+    bw = c.intra_node_bw_gbps if intra else c.inter_node_bw_gbps
+    return (bw if bw > 0 else NOMINAL_BW_GBPS) * 1e9 * rates.LINK_EFFICIENCY
+
+
+def _off_domain_share(cfg: RunConfig, kind: str, groups) -> float:
+    """Share of a rank's peers in a group that sit outside its NVLink domain."""
+    if kind not in groups or groups[kind].size < 2:
+        return 0.0
+    g, dom = groups[kind].groups[0], max(1, cfg.cluster.nvlink_domain)
+    return sum(r // dom != g[0] // dom for r in g) / (len(g) - 1)
+
+
+def _ep_time(cfg: RunConfig, groups, tokens_local: float, act: int, moe_layers: int) -> float:
+    """Token dispatch + combine, forward and backward, per microbatch.
+
+    ``alltoall``/``allgather``: each of a token's ``k`` copies travels to its expert's rank. ``flex``
+    (DeepEP / HybridEP): a token crosses the network once per remote NVLink domain holding one of its
+    experts, then fans out over NVLink, so the network carries ``k`` copies only when experts spread
+    over many domains (expected distinct remote domains ``(n - 1) (1 - (1 - 1/n)^k)``).
+    """
+    m, p, c = cfg.model, cfg.parallel, cfg.cluster
+    k = m.moe_router_topk
+    token = tokens_local / (p.tp if p.sp else 1) * m.hidden_size * act
+    off = _off_domain_share(cfg, "ep", groups)
+    domains = max(1, round(1 / (1 - off * (p.ep - 1) / p.ep))) if off < 1 else p.ep
+    if p.moe_dispatcher == "flex" and domains > 1:
+        inter = (domains - 1) * (1 - (1 - 1 / domains) ** k) * token
+    else:
+        inter = k * (p.ep - 1) / p.ep * off * token
+    intra = k * (p.ep - 1) / p.ep * (1 - off) * token
+    nvl = (c.intra_node_bw_gbps or NOMINAL_BW_GBPS) * 1e9
+    net = (c.inter_node_bw_gbps or NOMINAL_BW_GBPS) * 1e9
+    return 4 * moe_layers * max(intra / nvl, inter / net) / rates.ALL_TO_ALL_EFFICIENCY
+
+
+def estimate_step_time(cfg: RunConfig, groups=None) -> StepTime:
+    """The model above for a validated layout (``groups``: a prebuilt group map, to save time)."""
+    from megatron_recipes.topology.groups import build_group_map
+
+    groups = groups if groups is not None else build_group_map(cfg)
+    m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.cluster
+    nominal = c.peak_bf16_tflops <= 0
+    peak_bf16 = (NOMINAL_TFLOPS if nominal else c.peak_bf16_tflops) * 1e12
+    fmt = rates.gemm_format(cfg)
+    assumptions: List[str] = []
+    peak_fmt = rates.peak_tflops(cfg, fmt) * 1e12
+    if peak_fmt <= 0:
+        peak_fmt = peak_bf16
+        if not nominal and fmt != "bf16":
+            assumptions.append(f"cluster {c.name} gives no {fmt} peak: its GEMMs counted at the bf16 rate")
+    pp, vpp = max(1, p.pp), derived.virtual_pipeline_size(cfg)
+    act = _ACT_BYTES.get(cfg.precision.params_dtype, 2)
+    micro = max(1, derived.num_microbatches(cfg))
+    tokens_local = t.micro_batch_size * t.seq_length / p.cp  # per CP rank
+    layers_per_stage = max(len(derived.layers_on_pipeline_rank(cfg, r)) for r in range(pp))
+    moe_layers = max(sum(derived.is_moe_layer(m, i) for i in derived.layers_on_pipeline_rank(cfg, r)) for r in range(pp))
+
+    per_stage = [_stage_compute(cfg, r, peak_bf16, peak_fmt) for r in range(pp)]
+    gemm, attn, mem = max(per_stage, key=sum)
+    activation = tokens_local * m.hidden_size * act
+    tp_full = 0.0
+    if p.tp > 1:
+        collective = (p.tp - 1) / p.tp * activation
+        tp_full = (8 + 4 * _recomputed_share(cfg)) * collective * layers_per_stage / _bandwidth(cfg, "tp", groups)
+    tp = tp_full * rates.TP_EXPOSED
+    cp = _cp_time(cfg, groups, attn, layers_per_stage, tokens_local, act)
+    ep = 0.0
+    if derived.is_moe(m) and p.ep > 1:
+        ep = _ep_time(cfg, groups, tokens_local, act, moe_layers)
+    pp_comm = 2 * vpp * activation / (p.tp if p.sp else 1) / _bandwidth(cfg, "pp", groups) if pp > 1 else 0.0
+    per_micro = gemm + attn + mem + tp + cp + ep + pp_comm
+    dp = _dp_exposed(cfg, groups, per_micro)
+    spread, why = rates.spread(cfg)
+    assumptions += why
+    if m.num_moe_experts:
+        assumptions.append("experts evenly loaded (the published runs force-balance tokens)")
+    if p.tp > 1:
+        assumptions.append(
+            f"TP communication {rates.TP_EXPOSED:.0%} exposed, as with Transformer Engine's tp_comm_overlap in the "
+            f"published runs; the trainer here does not overlap it (+{micro * (tp_full - tp):.3g}s per step)"
+        )
+    return StepTime(
+        gemm=micro * gemm,
+        attention=micro * attn,
+        memory=micro * mem,
+        bubble=schedule.bubble_slots(cfg) * per_micro,
+        tp=micro * tp,
+        cp=micro * cp,
+        ep=micro * ep,
+        pp=micro * pp_comm,
+        dp=dp,
+        optimizer=_optimizer_time(cfg),
+        tokens_per_step=t.global_batch_size * t.seq_length,
+        world=derived.world_size(cfg),
+        model_flops_per_token=model_flops_per_token(cfg),
+        peak_flops=peak_bf16,
+        nominal=nominal,
+        tp_unoverlapped=micro * tp_full,
+        spread=spread,
+        assumptions=assumptions,
+    )
+
+
+def _cp_time(cfg: RunConfig, groups, attn: float, layers: int, tokens_local: float, act: int) -> float:
+    """Context-parallel communication per microbatch left exposed, by ``parallel.cp_comm_type``."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp < 2:
+        return 0.0
+    kv_heads = (m.num_attention_heads if m.multi_latent_attention else m.num_query_groups) / p.tp
+    kv = 2 * max(kv_heads, 1) * derived.head_dim(m) * tokens_local * act  # this rank's K and V chunk
+    bw = _bandwidth(cfg, "cp", groups)
+    if p.cp_comm_type in ("p2p", "a2a+p2p"):
+        comm = 3 * (p.cp - 1) * kv * layers / bw
+        return max(0.0, comm - rates.CP_P2P_OVERLAP * attn)
+    if p.cp_comm_type == "all_gather":
+        return 3 * (p.cp - 1) * kv * layers / bw  # all-gather K/V forward, again + reduce-scatter backward
+    # a2a (Ulysses): Q, K, V in and the output back, forward and backward
+    qkvo = (2 * m.num_attention_heads / p.tp + 2 * max(kv_heads, 1)) * derived.head_dim(m) * tokens_local * act
+    return 2 * (p.cp - 1) / p.cp * qkvo * layers / bw
 
 
 def _recomputed_share(cfg: RunConfig) -> float:
@@ -139,68 +306,27 @@ def _recomputed_share(cfg: RunConfig) -> float:
     return sum(min(n, max(1, t.recompute_num_layers)) for n in chunks) / max(1, sum(chunks))
 
 
-def _bandwidth(cfg: RunConfig, kind: str, groups) -> float:
-    c = cfg.cluster
-    intra = groups[kind].intra_nvlink if kind in groups else True
-    bw = c.intra_node_bw_gbps if intra else c.inter_node_bw_gbps
-    return (bw if bw > 0 else NOMINAL_BW_GBPS) * 1e9
+def _largest_stage(cfg: RunConfig):
+    return max((stage_params(cfg, r) for r in range(max(1, cfg.parallel.pp))), key=lambda c: c.total)
 
 
-def estimate_step_time(cfg: RunConfig, groups=None) -> StepTime:
-    """The model above for a validated layout (``groups``: a prebuilt group map, to save time)."""
-    from megatron_recipes.topology.groups import build_group_map
-
-    groups = groups if groups is not None else build_group_map(cfg)
-    m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.cluster
-    nominal = c.peak_bf16_tflops <= 0
-    peak = (NOMINAL_TFLOPS if nominal else c.peak_bf16_tflops) * 1e12
-    pp, vpp = max(1, p.pp), derived.virtual_pipeline_size(cfg)
-    act = _ACT_BYTES.get(cfg.precision.params_dtype, 2)
-    micro = max(1, derived.num_microbatches(cfg))
-    tokens_local = t.micro_batch_size * t.seq_length / p.cp  # per CP rank
-    layers_per_stage = max(len(derived.layers_on_pipeline_rank(cfg, r)) for r in range(pp))
-    moe_layers = max(sum(derived.is_moe_layer(m, i) for i in derived.layers_on_pipeline_rank(cfg, r)) for r in range(pp))
-
-    compute = max(_stage_compute_flops(cfg, r) for r in range(pp)) / (p.tp * p.cp) / (peak * ASSUMED_MFU)
-    activation = tokens_local * m.hidden_size * act
-    tp = 0.0
-    if p.tp > 1:
-        ar = 2 * (p.tp - 1) / p.tp * activation
-        tp = (4 + 2 * _recomputed_share(cfg)) * ar * layers_per_stage / _bandwidth(cfg, "tp", groups)
-    cp = 0.0
-    if p.cp > 1:
-        groups_per_rank = (m.num_attention_heads if m.multi_latent_attention else m.num_query_groups) / p.tp
-        kv = 2 * groups_per_rank * derived.head_dim(m) * tokens_local * act
-        cp = 3 * (p.cp - 1) * kv * layers_per_stage / _bandwidth(cfg, "cp", groups)
-    ep = 0.0
-    if derived.is_moe(m) and p.ep > 1:
-        routed = tokens_local / (p.tp if p.sp else 1) * m.moe_router_topk * m.hidden_size * act
-        ep = 4 * (p.ep - 1) / p.ep * routed * moe_layers / _bandwidth(cfg, "ep", groups)
-    pp_comm = 2 * vpp * activation / (p.tp if p.sp else 1) / _bandwidth(cfg, "pp", groups) if pp > 1 else 0.0
-    per_micro = compute + tp + cp + ep + pp_comm
-    dp = _dp_exposed(cfg, groups, per_micro)
-    return StepTime(
-        compute=micro * compute,
-        bubble=schedule.bubble_slots(cfg) * per_micro,
-        tp=micro * tp,
-        cp=micro * cp,
-        ep=micro * ep,
-        pp=micro * pp_comm,
-        dp=dp,
-        tokens_per_step=t.global_batch_size * t.seq_length,
-        world=derived.world_size(cfg),
-        model_flops_per_token=model_flops_per_token(cfg),
-        peak_flops=peak,
-        nominal=nominal,
-    )
+def _optimizer_time(cfg: RunConfig) -> float:
+    """Adam streams grads, fp32 master weights and both moments of this rank's shard (read + write)."""
+    if cfg.cluster.hbm_bw_gbps <= 0:
+        return 0.0
+    params = _largest_stage(cfg)
+    shards = max(1, derived.data_parallel_size(cfg) * cfg.parallel.cp) if cfg.optimizer.use_distributed_optimizer else 1
+    eshards = max(1, derived.expert_data_parallel_size(cfg)) if cfg.optimizer.use_distributed_optimizer else 1
+    local = params.dense / shards + params.expert / eshards
+    return local * 2 * 16 / (cfg.cluster.hbm_bw_gbps * 1e9 * rates.HBM_EFFICIENCY)
 
 
 def _dp_exposed(cfg: RunConfig, groups, per_micro: float) -> float:
     """Gradient reduce + parameter gather time per step not hidden behind compute."""
     prec, p = cfg.precision, cfg.parallel
-    params = max((stage_params(cfg, r) for r in range(max(1, p.pp))), key=lambda c: c.total)
+    params = _largest_stage(cfg)
     grad = 4 if (prec.grad_reduce_in_fp32 or prec.params_dtype == "fp32") else 2
-    weight = _ACT_BYTES.get(prec.params_dtype, 2)
+    weight = 1 if prec.fp8_param_gather else _ACT_BYTES.get(prec.params_dtype, 2)
     # distributed optimizer: reduce-scatter grads + all-gather params; plain DDP: all-reduce grads
     per_param = (grad + weight) if cfg.optimizer.use_distributed_optimizer else 2 * grad
 

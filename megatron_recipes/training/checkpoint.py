@@ -100,6 +100,8 @@ def _runtime_layout(cfg: Optional[RunConfig]) -> Dict[str, Any]:
         uneven = {
             "num_layers_in_first_pipeline_stage": cfg.parallel.num_layers_in_first_pipeline_stage,
             "num_layers_in_last_pipeline_stage": cfg.parallel.num_layers_in_last_pipeline_stage,
+            "account_for_embedding_in_pipeline_split": cfg.parallel.account_for_embedding_in_pipeline_split,
+            "account_for_loss_in_pipeline_split": cfg.parallel.account_for_loss_in_pipeline_split,
         }
     return {
         **uneven,

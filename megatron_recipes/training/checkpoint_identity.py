@@ -33,6 +33,8 @@ MODEL_PARALLEL_FIELDS = (
     "etp",
     "num_layers_in_first_pipeline_stage",
     "num_layers_in_last_pipeline_stage",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
 )
 
 
@@ -67,6 +69,8 @@ def layout(cfg: RunConfig) -> Dict[str, Any]:
             "world_size": derived.world_size(cfg),
             "num_layers_in_first_pipeline_stage": p.num_layers_in_first_pipeline_stage,
             "num_layers_in_last_pipeline_stage": p.num_layers_in_last_pipeline_stage,
+            "account_for_embedding_in_pipeline_split": p.account_for_embedding_in_pipeline_split,
+            "account_for_loss_in_pipeline_split": p.account_for_loss_in_pipeline_split,
             "make_vocab_size_divisible_by": cfg.model.make_vocab_size_divisible_by,
             "padded_vocab_size": derived.padded_vocab_size(cfg.model, p.tp),
         }
@@ -129,7 +133,8 @@ def _check_padded_vocab(saved: Dict[str, Any], cfg: RunConfig, path: Any) -> Non
 def model_parallel_changed(saved: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
     """``field: saved -> now`` for each model-parallel field ``current`` knows that differs."""
     keys = [key for key in MODEL_PARALLEL_FIELDS if key in current]
-    return [f"{key}: {saved.get(key)} -> {current[key]}" for key in keys if saved.get(key) != current[key]]
+    # unset (None) and off (False) mean the same; checkpoints saved before a field existed lack it
+    return [f"{key}: {saved.get(key)} -> {current[key]}" for key in keys if (saved.get(key) or None) != (current[key] or None)]
 
 
 def same_ranks(saved: Dict[str, Any], current: Dict[str, Any]) -> bool:

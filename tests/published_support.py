@@ -1,0 +1,107 @@
+"""The published Megatron-Bridge throughput table (``data/published_throughput.csv``) as recipes.
+
+Each row becomes the recipe of its model family with the published layout and the settings the
+published performance recipes use (bf16 gradient reduction, FP8 weights under FP8/MXFP8, no recompute),
+so ``plan`` can be compared with what NVIDIA measured. Run ``python benchmarks/published_throughput.py``
+for every row's published figure, our estimate and their ratio.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+TABLE = Path(__file__).parent / "data" / "published_throughput.csv"
+RECIPES = {
+    "LLAMA3_70B": "llama3_70b_pretrain",
+    "LLAMA3.1_405B": "llama31_405b_pretrain",
+    "DeepSeekV3": "deepseek_v3_pretrain",
+    "Qwen3_30B_a3B": "qwen3_30b_a3b_pretrain",
+}
+CLUSTERS = {  # system -> (cluster group, GPUs per node)
+    "DGX-H100": ("h100_8gpu", 8),
+    "DGX-B200": ("b200_8gpu", 8),
+    "DGX-B300": ("b300_8gpu", 8),
+    "DGX-GB200": ("gb200_nvl72", 4),
+    "DGX-GB300": ("gb300_nvl72", 4),
+}
+PRECISIONS = {  # published precision -> (precision group, extra overrides as the published presets set)
+    "FP8": ("fp8_tensorwise", ["precision.fp8_param_gather=true"]),
+    "MXFP8": ("mxfp8", ["precision.fp8_param_gather=true"]),
+    "NVFP4": ("nvfp4", []),
+    "BF16": ("bf16", []),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    system: str
+    model: str
+    gpus: int
+    precision: str
+    gbs: int
+    mbs: int
+    seq: int
+    fsdp: int
+    tp: int
+    pp: int
+    cp: int
+    vp: int
+    ep: int
+    tokens_per_s_per_gpu: float
+    model_tflops_per_gpu: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.system} {self.model} {self.precision} x{self.gpus}"
+
+
+def load(path: Path = TABLE) -> List[Row]:
+    lines = [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+    out = []
+    for rec in csv.DictReader(lines):
+        out.append(Row(rec["system"], rec["model"], *(int(rec[k]) for k in ("gpus",)), rec["precision"],
+                       *(int(rec[k]) for k in ("gbs", "mbs", "seq", "fsdp", "tp", "pp", "cp", "vp", "ep")),
+                       float(rec["tokens_per_s_per_gpu"]), float(rec["model_tflops_per_gpu"])))
+    return out
+
+
+def _split_overrides(layers: int, pp: int, vp: int) -> Optional[List[str]]:
+    """Overrides that split ``layers`` over pp x vp the way megatron-core accepts, or None."""
+    v = max(1, vp)
+    plain = ["parallel.num_layers_in_first_pipeline_stage=null", "parallel.num_layers_in_last_pipeline_stage=null"]
+    if layers % (pp * v) == 0:
+        return plain
+    if (layers + 2) % (pp * v) == 0:
+        return plain + ["parallel.account_for_embedding_in_pipeline_split=true", "parallel.account_for_loss_in_pipeline_split=true"]
+    if pp > 2 and vp == 0:
+        middle = -(-layers // pp)
+        rest = layers - (pp - 2) * middle
+        if rest >= 2:
+            return [f"parallel.num_layers_in_first_pipeline_stage={rest - rest // 2}",
+                    f"parallel.num_layers_in_last_pipeline_stage={rest // 2}"]
+    return None
+
+
+def overrides(row: Row, num_layers: int) -> tuple[Optional[List[str]], str]:
+    """(the row as ``plan`` overrides, or None with the reason it cannot be planned yet)."""
+    if row.fsdp:
+        return None, "FSDP is not in the recipes yet"
+    split = _split_overrides(num_layers, row.pp, row.vp)
+    if split is None:
+        return None, f"{num_layers} layers do not split over pp={row.pp} x vp={row.vp} without a pipeline layout"
+    cluster, per_node = CLUSTERS[row.system]
+    group, extra = PRECISIONS[row.precision]
+    out = [
+        f"cluster={cluster}", f"cluster.nodes={row.gpus // per_node}", f"precision={group}", *extra,
+        "precision.grad_reduce_in_fp32=false", f"parallel.tp={row.tp}", f"parallel.pp={row.pp}",
+        f"parallel.cp={row.cp}", f"parallel.vpp={row.vp or 'null'}", f"parallel.sp={str(row.tp > 1).lower()}",
+        f"train.global_batch_size={row.gbs}", f"train.micro_batch_size={row.mbs}", f"train.seq_length={row.seq}",
+        "train.recompute=none", *split,
+    ]
+    if row.ep:
+        out += [f"parallel.ep={row.ep}", "parallel.etp=1", "parallel.allow_inter_node_ep=true",
+                "parallel.moe_dispatcher=flex", "parallel.moe_flex_backend=hybridep"]
+    return out, ""
