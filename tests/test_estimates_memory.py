@@ -12,7 +12,7 @@ from megatron_recipes.config.compose import compose_recipe
 from megatron_recipes.topology import schedule
 from megatron_recipes.topology.memory import estimate_memory, model_state_bytes, stage_memory
 from megatron_recipes.topology.params import model_params, stage_params
-from megatron_recipes.topology.steptime import ASSUMED_MFU, estimate_step_time, model_flops_per_token
+from megatron_recipes.topology.steptime import estimate_step_time, model_flops_per_token
 
 
 def _pp_rank_microbatches(cfg, rank):
@@ -110,7 +110,7 @@ def test_model_flops_follow_6n_plus_attention():
 def test_step_time_model_properties():
     base = compose_recipe("llama3_70b_pretrain")
     st = estimate_step_time(base)
-    assert 0 < st.mfu < ASSUMED_MFU and st.total == pytest.approx(sum(st.breakdown().values()))
+    assert 0 < st.mfu < 1 and st.total == pytest.approx(sum(st.breakdown().values()))
     # TP spread over two nodes (explicitly allowed) pays network bandwidth: slower than TP inside a node
     inter = compose_recipe("llama3_70b_pretrain", ["parallel.tp=16", "parallel.allow_inter_node_tp=true", "model.num_query_groups=16",
                                                    "parallel.pp=2", "parallel.vpp=null", "parallel.cp=1", "cluster.nodes=4"])

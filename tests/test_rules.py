@@ -209,3 +209,17 @@ def test_validate_or_raise_lists_every_violated_rule():
 
 def test_rules_by_id_covers_table():
     assert set(rules_by_id()) == {r.id for r in RULES}
+
+
+def test_pp_layer_split_with_embedding_and_loss_counted():
+    """pp.layer_split's third way: the embedding/loss each take a layer's slot (megatron-core's
+    account_for_*_in_pipeline_split), and it cannot be combined with first/last-stage sizes."""
+    counted = ("model.num_layers=6", "parallel.account_for_embedding_in_pipeline_split=true",
+               "parallel.account_for_loss_in_pipeline_split=true")
+    ok = compose_recipe(TINY, list(PP2 + counted + ("parallel.vpp=2",)))
+    assert "pp.layer_split" not in {v.rule_id for v in validate(ok)}  # 6 + 2 = 2 x 2 x 2
+    bad = compose_recipe(TINY, list(PP2 + counted[:2] + ("parallel.vpp=2",)))  # 6 + 1 over 4 chunks
+    assert "pp.layer_split" in {v.rule_id for v in validate(bad)}
+    both = compose_recipe(TINY, list(PP2 + counted + ("parallel.num_layers_in_first_pipeline_stage=3",)))
+    msg = next(v.message for v in validate(both) if v.rule_id == "pp.layer_split")
+    assert "cannot be combined" in msg

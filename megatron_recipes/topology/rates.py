@@ -51,6 +51,12 @@ ALL_TO_ALL_EFFICIENCY = 0.25
 TP_EXPOSED = 0.25
 # assumed: CP p2p exchanges overlap with the attention of the previous chunk; what exceeds it is exposed
 CP_P2P_OVERLAP = 1.0
+# assumed: under CP, Transformer Engine runs attention as 2 x cp sub-blocks per rank and merges their
+# partial outputs and log-sum-exps in fp32: the attention kernels reach this share of their plain rate
+CP_ATTENTION_FACTOR = 0.5
+# assumed: pipeline sends/receives under the interleaved schedule overlap with compute (megatron-core's
+# overlap_p2p_comm, which the trainer enables with vpp on GPUs); without interleaving they are exposed
+PP_EXPOSED_INTERLEAVED = 0.0
 
 # --- how far to trust the figure -----------------------------------------------------------------
 # calibrated: the largest |estimate / published - 1| over the H100 rows, rounded up (see the test table)

@@ -3,7 +3,9 @@ and cluster, rank by the analytic step time, and keep only layouts that pass eve
 
 Cheap arithmetic screens the space first; candidates are then ranked by estimated step time and the
 full rule table (memory included) is run down that ranking until enough valid layouts are found, so
-every layout this returns passes ``validate()``.
+every layout this returns passes ``validate()``. Each (tp, pp, cp, ep, etp) appears once, with its
+fastest vpp / micro batch / recompute: the estimates of those variants differ by less than the model
+can resolve, and five variants of one layout would hide the alternatives.
 """
 
 from __future__ import annotations
@@ -136,6 +138,12 @@ def _screen(cfg: RunConfig) -> bool:
     return pipeline_split_problem(cfg) is None
 
 
+def _core(cfg: RunConfig) -> tuple:
+    """The degrees that place weights and groups; vpp, micro batch and recompute only tune a layout."""
+    p = cfg.parallel
+    return (p.tp, p.pp, p.cp, p.ep, p.etp)
+
+
 def search_layouts(cfg: RunConfig, top: int = 5, max_validated: int = 400) -> SearchResult:
     """The ``top`` fastest layouts (by the analytic model) that pass every validation rule."""
     from megatron_recipes.topology.groups import build_group_map
@@ -152,12 +160,17 @@ def search_layouts(cfg: RunConfig, top: int = 5, max_validated: int = 400) -> Se
     ranked.sort(key=lambda c: c.time.total)
     best: List[Candidate] = []
     rejected: Counter = Counter()
+    seen = set()
     for cand in ranked[:max_validated]:
+        core = _core(cand.cfg)
+        if core in seen:  # a faster variant (vpp, micro batch, recompute) of this layout is listed already
+            continue
         violations = validate(cand.cfg)
         if violations:
             rejected.update(v.rule_id for v in violations)
             continue
         best.append(cand)
+        seen.add(core)
         if len(best) >= top:
             break
     return SearchResult(best=best, screened=len(ranked), enumerated=enumerated, rejected=rejected)

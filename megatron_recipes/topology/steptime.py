@@ -8,9 +8,11 @@ Per training step, on the slowest pipeline stage:
   forward again) at ``peak(format) x GEMM_EFFICIENCY[format] x size factor`` (``rates.py``); the output
   layer and router run in bf16, the transformer layers' GEMMs in the recipe's format (bf16, FP8, FP4).
 * ``t_attn``: causal core attention, ``s/2 * heads * (d_qk + d_v) * 2`` FLOPs per token forward (half of
-  the full square: flash attention skips masked tiles), in bf16 at ``ATTENTION_EFFICIENCY``.
+  the full square: flash attention skips masked tiles), in bf16 at ``ATTENTION_EFFICIENCY`` (times
+  ``CP_ATTENTION_FACTOR`` under context parallelism).
 * ``t_mem``: memory-bound kernels (norms, RoPE, SwiGLU, casts, MoE permutation) as ``MEMORY_PASSES`` x
-  the activation bytes the stage saves per microbatch, at the HBM bandwidth.
+  the activation bytes the stage's layers save per microbatch without recompute (a third more when
+  full recompute runs their forward again), at the HBM bandwidth.
 * ``t_tp``: with SP, 4 all-gathers/reduce-scatters forward and 4 backward per layer of the ``tokens x
   hidden`` activation (6+6 where full recompute repeats the forward), ``TP_EXPOSED`` of it not hidden.
 * ``t_cp``: ``p2p``: each rank's K/V chunk moves ``cp - 1`` times forward and ``2 (cp - 1)`` backward,
@@ -18,7 +20,8 @@ Per training step, on the slowest pipeline stage:
   reduce-scatter, exposed; ``a2a``: Q, K, V and the output re-sharded forward and backward, exposed.
 * ``t_ep``: per MoE layer, dispatch + combine forward and backward of ``k`` copies of each local token,
   ``(ep - 1) / ep`` of them leaving the rank, at ``ALL_TO_ALL_EFFICIENCY`` of the slower link used.
-* ``t_pp``: activation send forward + gradient send backward per microbatch and model chunk.
+* ``t_pp``: activation send forward + gradient send backward per microbatch and model chunk, hidden
+  under the interleaved schedule (``PP_EXPOSED_INTERLEAVED``).
 * ``t_dp``: reduce-scatter of gradients + all-gather of parameters (distributed optimizer) or an
   all-reduce, over DP x CP (expert-DP for experts); with ``overlap_grad_reduce`` only what does not hide
   behind the last microbatch's backward is exposed. ``t_opt``: the optimizer step streams its state.
@@ -149,8 +152,9 @@ def _stage_compute(cfg: RunConfig, pp_rank: int, peak_bf16: float, peak_fmt: flo
     fmt = rates.gemm_format(cfg)
     kinds = (False, True) if derived.is_moe(m) else (False,)
     gemm_rate = {moe: peak_fmt * rates.GEMM_EFFICIENCY[fmt] * rates.gemm_size_factor(_smallest_gemm_dim(cfg, moe)) for moe in kinds}
-    attn_rate = peak_bf16 * rates.ATTENTION_EFFICIENCY
-    gemm = attn = 0.0
+    attn_rate = peak_bf16 * rates.ATTENTION_EFFICIENCY * (rates.CP_ATTENTION_FACTOR if p.cp > 1 else 1.0)
+    layer_bytes = {moe: activations.kind_bytes(cfg, moe, "none") for moe in kinds}  # traffic of one forward
+    gemm = attn = traffic = 0.0
     for chunk in derived.pipeline_stage_layers(cfg)[pp_rank]:
         recomputed = len(chunk)
         if t.recompute == "full" and t.recompute_method == "block":
@@ -162,12 +166,12 @@ def _stage_compute(cfg: RunConfig, pp_rank: int, peak_bf16: float, peak_fmt: flo
             core_passes = passes + (1.0 if t.recompute == "selective" else 0.0)
             gemm += passes * mm * tokens / width / gemm_rate[moe]
             attn += core_passes * core * tokens / width / attn_rate
+            traffic += passes / 3.0 * layer_bytes[moe]
     if pp_rank == max(1, p.pp) - 1:  # output layer, bf16
         head = 3.0 * 2.0 * m.hidden_size * derived.padded_vocab_size(m, p.tp) * tokens / width
         gemm += head / (peak_bf16 * rates.GEMM_EFFICIENCY["bf16"])
-    saved = sum(activations.chunk_bytes(cfg, list(c), first=False, last=False) for c in derived.pipeline_stage_layers(cfg)[pp_rank])
     hbm = cfg.cluster.hbm_bw_gbps * 1e9 * rates.HBM_EFFICIENCY if cfg.cluster.hbm_bw_gbps > 0 else NOMINAL_BW_GBPS * 1e9
-    memory = rates.MEMORY_PASSES * saved / hbm
+    memory = rates.MEMORY_PASSES * traffic / hbm
     return gemm, attn, memory
 
 
@@ -244,6 +248,8 @@ def estimate_step_time(cfg: RunConfig, groups=None) -> StepTime:
     if derived.is_moe(m) and p.ep > 1:
         ep = _ep_time(cfg, groups, tokens_local, act, moe_layers)
     pp_comm = 2 * vpp * activation / (p.tp if p.sp else 1) / _bandwidth(cfg, "pp", groups) if pp > 1 else 0.0
+    if vpp > 1 and not nominal:
+        pp_comm *= rates.PP_EXPOSED_INTERLEAVED
     per_micro = gemm + attn + mem + tp + cp + ep + pp_comm
     dp = _dp_exposed(cfg, groups, per_micro)
     spread, why = rates.spread(cfg)

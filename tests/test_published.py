@@ -1,0 +1,58 @@
+"""The planner against published measurements: every DGX-H100 row of a family we ship must plan as FITS,
+pass every rule, and estimate tokens/s/GPU within +/-20% of what NVIDIA measured (the rows the constants
+in topology/rates.py were calibrated on). Other systems' rows are reported by
+benchmarks/published_throughput.py, not asserted: they check the model, they do not tune it."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_recipes.config.compose import compose_recipe
+from megatron_recipes.config.validate import validate
+from megatron_recipes.topology.memory import estimate_memory
+from megatron_recipes.topology.search import search_layouts
+from megatron_recipes.topology.steptime import estimate_step_time
+from tests import published_support as pub
+
+H100 = [r for r in pub.load() if r.system == "DGX-H100"]
+
+
+def _cfg(row: pub.Row):
+    base = compose_recipe(pub.RECIPES[row.model], [])
+    overrides, why = pub.overrides(row, base.model.num_layers)
+    assert overrides is not None, why
+    return compose_recipe(pub.RECIPES[row.model], overrides)
+
+
+def test_table_has_the_issue_rows():
+    models = {r.model for r in H100}
+    assert {"LLAMA3_70B", "LLAMA3.1_405B", "Qwen3_30B_a3B"} <= models
+    assert all(r.model in pub.RECIPES for r in pub.load())
+
+
+@pytest.mark.parametrize("row", H100, ids=lambda r: r.label)
+def test_h100_row_fits_and_estimate_within_20_percent(row):
+    cfg = _cfg(row)
+    assert [v.rule_id for v in validate(cfg)] == []
+    mem = estimate_memory(cfg)
+    assert mem.fits, f"{row.label}: {mem.worst.total / 1e9:.1f} GB of {mem.capacity / 1e9:.1f}"
+    st = estimate_step_time(cfg)
+    ratio = st.tokens_per_s_per_gpu / row.tokens_per_s_per_gpu
+    assert 0.8 <= ratio <= 1.2, f"{row.label}: estimate {st.tokens_per_s_per_gpu:.0f} vs published {row.tokens_per_s_per_gpu:.0f}"
+    # the stated uncertainty covers the published figure
+    assert abs(ratio - 1) <= st.spread
+
+
+def test_405b_published_split_counts_embedding_and_loss():
+    row = next(r for r in H100 if r.model == "LLAMA3.1_405B")
+    cfg = _cfg(row)
+    assert cfg.parallel.account_for_embedding_in_pipeline_split and cfg.parallel.account_for_loss_in_pipeline_split
+
+
+def test_search_ranks_published_llama70b_h100_fp8_layout_in_top_five():
+    row = next(r for r in H100 if r.model == "LLAMA3_70B")
+    cfg = _cfg(row)
+    result = search_layouts(cfg, top=5)
+    layouts = [(c.cfg.parallel.tp, c.cfg.parallel.pp, c.cfg.parallel.vpp, c.cfg.parallel.cp, c.cfg.train.micro_batch_size)
+               for c in result.best]
+    assert (row.tp, row.pp, row.vp, row.cp, row.mbs) in layouts, layouts
