@@ -56,3 +56,25 @@ def test_search_ranks_published_llama70b_h100_fp8_layout_in_top_five():
     layouts = [(c.cfg.parallel.tp, c.cfg.parallel.pp, c.cfg.parallel.vpp, c.cfg.parallel.cp, c.cfg.train.micro_batch_size)
                for c in result.best]
     assert (row.tp, row.pp, row.vp, row.cp, row.mbs) in layouts, layouts
+
+
+def test_plan_prints_uncertainty_dominant_terms_and_assumptions(capsys):
+    from megatron_recipes.cli import main
+
+    row = next(r for r in H100 if r.model == "LLAMA3_70B")
+    overrides, _ = pub.overrides(row, 80)
+    assert main(["plan", "llama3_70b_pretrain", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert "FITS" in out and "tokens/s/GPU, likely" in out and "(+/-15%)" in out
+    assert "dominant terms: gemm" in out and "fp8 GEMMs at 60% of their peak" in out
+    assert "assumed: TP communication" in out
+
+
+def test_uncalibrated_formats_and_systems_widen_the_stated_uncertainty():
+    row = next(r for r in H100 if r.model == "LLAMA3_70B")
+    overrides, _ = pub.overrides(row, 80)
+    h100 = estimate_step_time(compose_recipe("llama3_70b_pretrain", overrides))
+    gb200 = estimate_step_time(compose_recipe("llama3_70b_pretrain", overrides + ["cluster=gb200_nvl72", "cluster.nodes=16"]))
+    mx = estimate_step_time(compose_recipe("llama3_70b_pretrain", overrides + ["cluster=gb200_nvl72", "cluster.nodes=16", "precision=mxfp8"]))
+    assert h100.spread < gb200.spread < mx.spread
+    assert any("blackwell" in a for a in gb200.assumptions)
