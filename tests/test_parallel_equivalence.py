@@ -74,6 +74,10 @@ DENSE_LAYOUTS = {
     "pp2": (2, ["parallel.pp=2"]),
     "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2"]),
     "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+    # 4 layers over 3 stages only with the embedding and the loss counted as layers (as Llama 3.1 405B's
+    # 126 over 8 x 8): [emb, 0] [1, 2] [3, loss]; the trainer must build what the planner places
+    "pp3_counted": (3, ["parallel.pp=3", "parallel.account_for_embedding_in_pipeline_split=true",
+                        "parallel.account_for_loss_in_pipeline_split=true"]),
 }
 
 

@@ -101,6 +101,9 @@ def _render_memory(mem: Dict[str, Any], console: Console) -> None:
                   f"{s['optimizer_gb']:.2f}", f"{s['activations_per_microbatch_gb']:.2f}", f"{s['microbatches_in_flight']:g}",
                   f"{s['activations_gb']:.2f}", f"{s['recompute_transient_gb']:.2f}", f"{s['overhead_gb']:.2f}", f"{s['total_gb']:.2f}")
     console.print(t)
+    console.print("exact: params (megatron-core's shapes), weights/grads/optimizer bytes per parameter; estimated: "
+                  "activations (Transformer Engine kernels on GPUs: not measured here), overhead (CUDA context, "
+                  "NCCL, workspaces and allocator fragmentation: assumed, topology/memory.py)")
     console.print(f"pipeline bubble: {mem['bubble_fraction'] * 100:.1f}% of the step")
     verdict = "[bold green]FITS[/bold green]" if mem["fits"] else "[bold red]DOES NOT FIT[/bold red]"
     word = "margin" if mem["fits"] else "short by"
