@@ -256,6 +256,13 @@ def estimate_step_time(cfg: RunConfig, groups=None) -> StepTime:
     assumptions += why
     if m.num_moe_experts:
         assumptions.append("experts evenly loaded (the published runs force-balance tokens)")
+        if p.ep > 1:
+            assumptions.append(
+                "flex dispatcher: a token crosses the network once per remote NVLink domain of its experts"
+                if p.moe_dispatcher == "flex" else
+                f"{p.moe_dispatcher} dispatcher: each of a token's {m.moe_router_topk} copies travels to its expert's "
+                "rank (parallel.moe_dispatcher=flex deduplicates copies per NVLink domain)"
+            )
     if p.tp > 1:
         assumptions.append(
             f"TP communication {rates.TP_EXPOSED:.0%} exposed, as with Transformer Engine's tp_comm_overlap in the "
