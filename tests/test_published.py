@@ -78,3 +78,17 @@ def test_uncalibrated_formats_and_systems_widen_the_stated_uncertainty():
     mx = estimate_step_time(compose_recipe("llama3_70b_pretrain", overrides + ["cluster=gb200_nvl72", "cluster.nodes=16", "precision=mxfp8"]))
     assert h100.spread < gb200.spread < mx.spread
     assert any("blackwell" in a for a in gb200.assumptions)
+
+
+def test_search_finds_the_published_405b_split_and_prints_it():
+    """126 layers over pp=8 only split with the embedding and loss counted: --search must enumerate that
+    split and hand it back as overrides that plan accepts."""
+    row = next(r for r in H100 if r.model == "LLAMA3.1_405B")
+    cfg = _cfg(row)
+    from megatron_recipes.topology.search import enumerate_layouts
+
+    counted = [c for c in enumerate_layouts(cfg) if c.parallel.pp == 8 and c.parallel.vpp == 8 and c.parallel.tp == 8
+               and c.parallel.cp == 2 and c.parallel.account_for_embedding_in_pipeline_split]
+    assert counted, "the published 405B layout is not in the search space"
+    overrides = [o for o in search_layouts(cfg, top=1).best[0].overrides() if "account_for" in o]
+    assert len(overrides) == 2

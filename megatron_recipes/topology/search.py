@@ -44,6 +44,9 @@ class Candidate:
             f"parallel.num_layers_in_first_pipeline_stage={_null(p.num_layers_in_first_pipeline_stage)}",
             f"parallel.num_layers_in_last_pipeline_stage={_null(p.num_layers_in_last_pipeline_stage)}",
         ]
+        counted = str(p.account_for_embedding_in_pipeline_split).lower()
+        out += [f"parallel.account_for_embedding_in_pipeline_split={counted}",
+                f"parallel.account_for_loss_in_pipeline_split={counted}"]
         out += [f"train.micro_batch_size={t.micro_batch_size}", f"train.recompute={t.recompute}"]
         return out
 
@@ -66,24 +69,27 @@ def _null(value: Optional[int]) -> str:
     return "null" if value is None else str(value)
 
 
-def _pipeline_splits(layers: int, pp: int) -> Iterator[Tuple[Optional[int], Optional[int]]]:
-    """Even split, or first/last-stage sizes that make an uneven one work (e.g. 61 layers)."""
+def _pipeline_splits(layers: int, pp: int) -> Iterator[Tuple[Optional[int], Optional[int], bool]]:
+    """(first, last, counted): an even split; the embedding and loss counted as layers (e.g. 126 + 2 over
+    8 x 8); or first/last-stage sizes that make an uneven one work (e.g. 61 layers)."""
     if pp == 1 or layers % pp == 0:
-        yield None, None
+        yield None, None, False
         return
+    if (layers + 2) % pp == 0:
+        yield None, None, True
     if pp == 2:
-        yield (layers + 1) // 2, None
+        yield (layers + 1) // 2, None, False
         return
     for per_middle in {layers // pp, -(-layers // pp)}:
         rest = layers - (pp - 2) * per_middle
         if rest >= 2:
-            yield rest - rest // 2, rest // 2
+            yield rest - rest // 2, rest // 2, False
 
 
-def _vpp_options(cfg: RunConfig, pp: int, first: Optional[int]) -> List[Optional[int]]:
+def _vpp_options(cfg: RunConfig, pp: int, first: Optional[int], counted: bool = False) -> List[Optional[int]]:
     if pp == 1 or first is not None:
         return [None]
-    per_stage = cfg.model.num_layers // pp
+    per_stage = (cfg.model.num_layers + (2 if counted else 0)) // pp
     return [None] + [v for v in divisors(per_stage) if 2 <= v <= MAX_VPP]
 
 
@@ -102,8 +108,8 @@ def enumerate_layouts(cfg: RunConfig) -> Iterator[RunConfig]:
             for pp in divisors(world // (tp * cp)):
                 if pp > m.num_layers:
                     continue
-                for first, last in _pipeline_splits(m.num_layers, pp):
-                    for vpp in _vpp_options(cfg, pp, first):
+                for first, last, counted in _pipeline_splits(m.num_layers, pp):
+                    for vpp in _vpp_options(cfg, pp, first, counted):
                         for etp in etps:
                             e_tp = etp or tp
                             per_stage = world // pp
@@ -111,13 +117,15 @@ def enumerate_layouts(cfg: RunConfig) -> Iterator[RunConfig]:
                             for ep in eps:
                                 for mbs in MICRO_BATCHES:
                                     for rc in recomputes:
-                                        yield _with(cfg, tp, pp, vpp, cp, ep, etp, first, last, mbs, rc)
+                                        yield _with(cfg, tp, pp, vpp, cp, ep, etp, (first, last, counted), mbs, rc)
 
 
-def _with(cfg, tp, pp, vpp, cp, ep, etp, first, last, mbs, recompute) -> RunConfig:
+def _with(cfg, tp, pp, vpp, cp, ep, etp, split, mbs, recompute) -> RunConfig:
+    first, last, counted = split
     parallel = dataclasses.replace(
         cfg.parallel, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, sp=tp > 1,
         num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+        account_for_embedding_in_pipeline_split=counted, account_for_loss_in_pipeline_split=counted,
     )
     train = dataclasses.replace(cfg.train, micro_batch_size=mbs, recompute=recompute, recompute_num_layers=1, recompute_method="uniform")
     return dataclasses.replace(cfg, parallel=parallel, train=train)
