@@ -92,3 +92,14 @@ def test_search_finds_the_published_405b_split_and_prints_it():
     assert counted, "the published 405B layout is not in the search space"
     overrides = [o for o in search_layouts(cfg, top=1).best[0].overrides() if "account_for" in o]
     assert len(overrides) == 2
+
+
+def test_cp_communication_depends_on_cp_comm_type():
+    """p2p hides the K/V ring behind attention; all_gather and a2a expose theirs (TE's CP kinds)."""
+    row = next(r for r in H100 if r.model == "LLAMA3.1_405B")
+    base = pub.overrides(row, 126)[0]
+    times = {kind: estimate_step_time(compose_recipe("llama31_405b_pretrain", base + [f"parallel.cp_comm_type={kind}"])).cp
+             for kind in ("p2p", "all_gather", "a2a")}
+    assert times["p2p"] == 0.0 < times["all_gather"] and times["a2a"] > 0.0
+    no_cp = estimate_step_time(compose_recipe("llama31_405b_pretrain", base + ["parallel.cp=1", "cluster.nodes=64"]))
+    assert no_cp.cp == 0.0
