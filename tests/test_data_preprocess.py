@@ -154,22 +154,24 @@ def test_bad_inputs(tmp_path, tok_dir):
 def test_failed_run_keeps_previous_output_intact(tmp_path, tok_dir, texts, monkeypatch):
     write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
     prefix = str(tmp_path / "out")
-    preprocess(str(tmp_path / "in.jsonl"), prefix, tok_dir, workers=1, show_progress=False)
+    preprocess(str(tmp_path / "in.jsonl"), prefix, tok_dir, workers=1, batch_bytes=4096, show_progress=False)
     before = {e: Path(prefix + e).read_bytes() for e in (".bin", ".idx")}
-    from megatron.core.datasets import indexed_dataset
+    from megatron_recipes.data.idx_writer import IndexedWriter
 
     calls = {"n": 0}
-    real = indexed_dataset.IndexedDatasetBuilder.add_document
+    real = IndexedWriter.add_batch
 
     def failing(self, *args, **kwargs):
         calls["n"] += 1
-        if calls["n"] > 50:
+        if calls["n"] > 5:
             raise KeyboardInterrupt("stopped half-way")
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(indexed_dataset.IndexedDatasetBuilder, "add_document", failing)
+    monkeypatch.setattr(IndexedWriter, "add_batch", failing)
     with pytest.raises(KeyboardInterrupt):
-        preprocess(str(tmp_path / "in.jsonl"), prefix, tok_dir, workers=1, show_progress=False)
+        preprocess(str(tmp_path / "in.jsonl"), prefix, tok_dir, workers=1, batch_bytes=4096, overwrite=True,
+                   show_progress=False)
+    assert calls["n"] > 5
     assert {e: Path(prefix + e).read_bytes() for e in (".bin", ".idx")} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.bin", "out.idx"]
 
@@ -177,12 +179,12 @@ def test_failed_run_keeps_previous_output_intact(tmp_path, tok_dir, texts, monke
 _SLOW_RUN = """
 import sys, time
 from megatron_recipes.data import preprocess as p
-real = p.BatchEncoder.__call__
-def slow(self, batch):
+real = p._to_array
+def slow(*args):
     print("STARTED", flush=True)
     time.sleep(30)
-    return real(self, batch)
-p.BatchEncoder.__call__ = slow
+    return real(*args)
+p._to_array = slow
 p.preprocess(sys.argv[1], sys.argv[2], sys.argv[3], workers=1, show_progress=False)
 """
 
@@ -201,7 +203,7 @@ def test_killed_run_leaves_nothing_that_looks_complete(tmp_path, tok_dir, texts)
 
     assert not IndexedDataset.exists(prefix)
     leftovers = list((tmp_path / "out").iterdir())
-    assert leftovers and all(p.name.startswith(".c.preprocess-") for p in leftovers)
+    assert leftovers and all(p.name.startswith(("c.bin.tmp-", "c.idx.tmp-")) for p in leftovers)
     preprocess(str(tmp_path / "in.jsonl"), prefix, tok_dir, workers=1, show_progress=False)  # next run cleans up
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["c.bin", "c.idx"]
     assert read_back(prefix) == expected_stream(tok_dir, texts[:20])

@@ -12,7 +12,8 @@ from megatron_recipes.config.errors import RecipeError
 USAGE = """usage:
   megatron-recipes data preprocess input=<files|globs|folder> output_prefix=<path> tokenizer=<dir|builtin>
         [text_key=text] [workers=N] [append_eod=true] [dtype=auto|uint16|int32] [split=train]
-        [add_special_tokens=false] [batch_size=1000] [--quiet] [--json]
+        [add_special_tokens=false] [batch_size=1000] [--overwrite] [--quiet] [--json]
+        workers = tokenizer threads; an existing output_prefix is replaced only with --overwrite
   megatron-recipes data build-index <recipe> [overrides]   precompute index caches into data.cache_dir
   megatron-recipes data builtin [data.cache_dir=...]       build (or find) the built-in corpus"""
 
@@ -52,7 +53,7 @@ def _int(name: str, value: str, minimum: int) -> int:
 def _preprocess(argv: List[str]) -> int:
     from megatron_recipes.data.preprocess import preprocess, print_summary
 
-    args = split_args(argv, "megatron-recipes data preprocess", flags={"quiet": False, "json": False}, positional=())
+    args = split_args(argv, "megatron-recipes data preprocess", flags={"quiet": False, "json": False, "overwrite": False}, positional=())
     opts = kv_options(args.overrides, "megatron-recipes data preprocess", _PREPROCESS_OPTIONS)
     summary = preprocess(
         input_spec=opts["input"],
@@ -66,6 +67,7 @@ def _preprocess(argv: List[str]) -> int:
         add_special_tokens=_bool("add_special_tokens", opts["add_special_tokens"]),
         batch_size=_int("batch_size", opts["batch_size"], 1),
         show_progress=not args.flags.get("quiet"),
+        overwrite=bool(args.flags.get("overwrite")),
     )
     if args.flags.get("json"):
         print(json.dumps(summary.as_dict()))

@@ -41,18 +41,22 @@ def single_process_group() -> Iterator[None]:
                 os.environ[key] = value
 
 
+def _files(folder) -> set:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else set()
+
+
 def build_index_caches(cfg: RunConfig) -> List[str]:
     """Build (or find) every index cache the recipe's job will read; returns lines to print."""
     from megatron_recipes.data import cache
     from megatron_recipes.data.pretrain import build_pretrain_datasets, dataset_sizes
     from megatron_recipes.data.tokenizer import load_tokenizer
 
-    folder = cache.index_cache_dir(cfg.data.cache_dir)
-    before = set(os.listdir(folder)) if folder.is_dir() else set()
+    folder = cache.index_cache_dir(cfg.data.cache_dir)  # one sub-folder per data content (pretrain.index_cache_path)
+    before = _files(folder)
     tokenizer = load_tokenizer(cfg)
     with single_process_group():
         datasets = build_pretrain_datasets(cfg, tokenizer)
-    after = set(os.listdir(folder)) if folder.is_dir() else set()
+    after = _files(folder)
     lines = [f"index caches in {folder}: {len(after - before)} new file(s), {len(after)} in total"]
     for name, ds, wanted in zip(("train", "valid", "test"), datasets, dataset_sizes(cfg)):
         lines.append(f"  {name}: " + ("not built" if ds is None else f"{len(ds):,} samples (job needs {wanted:,})"))

@@ -22,7 +22,6 @@ from megatron_recipes.config.errors import RecipeError
 
 _HEADER = b"MMIDIDX\x00\x00"
 _FIXED = len(_HEADER) + 8 + 1 + 8 + 8  # header, version, dtype code, sequence count, document count
-_DTYPES = {"uint16": np.uint16, "int32": np.int32, "int64": np.int64}
 
 
 @dataclass(frozen=True)
@@ -87,6 +86,35 @@ def check_indexed_prefix(prefix: str) -> IndexedInfo:
     return IndexedInfo(prefix, int(n_seq), int(n_doc) - 1, num_tokens, dtype)
 
 
+_FINGERPRINTS: dict = {}
+
+
+def content_fingerprint(prefix: str) -> dict:
+    """What identifies an indexed dataset's content: sizes and mtimes of both files and the ``.idx`` hash.
+
+    megatron-core keys its index caches on the prefix's path; a dataset re-written at the same path
+    would then be read through the old document/sample indices (IndexError, or silently wrong samples).
+    The hash is memoised per (path, size, mtime) within a process.
+    """
+    import hashlib
+
+    idx, bin_ = os.stat(prefix + ".idx"), os.stat(prefix + ".bin")
+    stamp = (prefix, idx.st_size, idx.st_mtime_ns, bin_.st_size, bin_.st_mtime_ns)
+    if stamp not in _FINGERPRINTS:
+        digest = hashlib.sha256()
+        with open(prefix + ".idx", "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 22), b""):
+                digest.update(block)
+        _FINGERPRINTS[stamp] = {
+            "idx_sha256": digest.hexdigest(),
+            "idx_size": idx.st_size,
+            "idx_mtime_ns": idx.st_mtime_ns,
+            "bin_size": bin_.st_size,
+            "bin_mtime_ns": bin_.st_mtime_ns,
+        }
+    return _FINGERPRINTS[stamp]
+
+
 def open_indexed(prefix: str):
     """megatron-core's ``IndexedDataset`` for a prefix, after our checks."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -96,21 +124,10 @@ def open_indexed(prefix: str):
 
 
 def token_dtype(vocab_size: int, requested: str = "auto") -> Type[np.number]:
-    """The ``.bin`` token dtype: megatron-core's choice for ``auto``; an error if ids would not fit."""
-    from megatron.core.datasets.indexed_dataset import DType
+    """The ``.bin`` token dtype (see ``idx_writer.token_dtype``, which needs no megatron-core import)."""
+    from megatron_recipes.data.idx_writer import token_dtype as _token_dtype
 
-    if requested == "auto":
-        return DType.optimal_dtype(vocab_size)
-    if requested not in _DTYPES:
-        raise RecipeError(f"dtype={requested} is not supported", fix=f"use one of auto, {', '.join(_DTYPES)}")
-    dtype = _DTYPES[requested]
-    if vocab_size - 1 > np.iinfo(dtype).max:
-        raise RecipeError(
-            f"dtype={requested} holds token ids up to {np.iinfo(dtype).max}, but the tokenizer's vocab has "
-            f"{vocab_size} entries",
-            fix="use dtype=auto (or int32)",
-        )
-    return dtype
+    return _token_dtype(vocab_size, requested)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,12 @@
-"""Local corpora -> one memory-mapped ``datasets.Dataset`` holding only the text column, in input order.
+"""Local corpora -> bounded batches of document texts, in input order, streamed (never a whole file in memory).
 
-Accepts JSONL/JSON, Parquet, CSV/TSV files (also ``.gz``/``.zst``), folders written by
-``datasets.save_to_disk``, and comma-separated lists and globs of these. Parsing is done by the
-``datasets`` packaged builders (Arrow, multi-threaded C++), never line by line in Python.
+Accepts JSON lines (``.jsonl``/``.json``/``.ndjson``), Parquet, CSV/TSV (also ``.gz``/``.bz2``/``.xz``/
+``.zst``/``.lz4``), folders written by ``datasets.save_to_disk``, and comma-separated lists and globs of
+these. Each reader imports only its own library (the stdlib ``json`` module, ``pyarrow``, ``datasets``).
+
+The text field must be a string in every row that has it: a null, a number, a list or an object is
+an error naming the file and its line (JSON) or row; a JSON line without the field is skipped and
+counted. An input without any row is an error.
 """
 
 from __future__ import annotations
@@ -10,14 +14,24 @@ from __future__ import annotations
 import glob
 import json
 import os
-from itertools import groupby
+from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional
 
 from megatron_recipes.config.errors import RecipeError
 
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 _FORMATS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv"}
+_ROW_FIX = "make every '{key}' value a string, or drop those rows"
+
+
+@dataclass
+class TextBatch:
+    """Consecutive documents of one input; ``missing`` counts JSON lines without the field (skipped)."""
+
+    texts: List[str]
+    missing: int = 0
+    rows: int = 0  # input rows this batch covers (documents + missing)
 
 
 def expand_inputs(spec: str) -> List[str]:
@@ -48,11 +62,7 @@ def input_format(path: str) -> str:
             f"input folder '{path}' is not a datasets.save_to_disk folder (no state.json / dataset_dict.json)",
             fix="pass the files inside it, e.g. input='folder/*.jsonl'",
         )
-    name = path.lower()
-    for ext in _COMPRESSED:
-        if name.endswith(ext):
-            name = name[: -len(ext)]
-    suffix = Path(name).suffix
+    suffix = Path(_strip_compression(path.lower())).suffix
     if suffix not in _FORMATS:
         raise RecipeError(
             f"input '{path}' has an unknown format '{suffix or '(none)'}'",
@@ -61,49 +71,186 @@ def input_format(path: str) -> str:
     return _FORMATS[suffix]
 
 
-def _first_bad_json_line(path: str) -> Optional[str]:
-    """Where a JSON-lines file stops being valid UTF-8 JSON (only called after a load fails)."""
-    if path.lower().endswith(_COMPRESSED):
-        return None
-    with open(path, "rb") as handle:
+def _strip_compression(name: str) -> str:
+    for ext in _COMPRESSED:
+        if name.endswith(ext):
+            return name[: -len(ext)]
+    return name
+
+
+def _open_binary(path: str):
+    """A binary file object, decompressing by extension."""
+    lowered = path.lower()
+    if lowered.endswith(".gz"):
+        import gzip
+
+        return gzip.open(path, "rb")
+    if lowered.endswith(".bz2"):
+        import bz2
+
+        return bz2.open(path, "rb")
+    if lowered.endswith(".xz"):
+        import lzma
+
+        return lzma.open(path, "rb")
+    if lowered.endswith((".zst", ".lz4")):
+        import io
+
+        import pyarrow as pa
+
+        codec = "zstd" if lowered.endswith(".zst") else "lz4"
+        return io.BufferedReader(pa.CompressedInputStream(pa.OSFile(path, "rb"), codec))
+    return open(path, "rb", buffering=1 << 20)
+
+
+def _kind(value) -> str:
+    return "null" if value is None else {bool: "a boolean", int: "a number", float: "a number", list: "a list",
+                                         dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _bad_row(path: str, where: str, key: str, value) -> RecipeError:
+    shown = json.dumps(value)[:60] if value is not None else "null"
+    return RecipeError(
+        f"input '{path}', {where}: field '{key}' is {_kind(value)} ({shown}), not text",
+        fix=_ROW_FIX.format(key=key),
+    )
+
+
+def _json_lines(path: str, key: str, batch_bytes: int, max_docs: int) -> Iterator[TextBatch]:
+    batch, size, missing, rows, with_key, first_fields = [], 0, 0, 0, 0, None
+    with _open_binary(path) as handle:
         for number, raw in enumerate(handle, start=1):
             try:
-                line = raw.decode("utf-8")
+                record = json.loads(raw)
             except UnicodeDecodeError as exc:
-                return f"line {number}: bytes that are not UTF-8 at column {exc.start + 1}"
-            if line.strip():
-                try:
-                    json.loads(line)
-                except json.JSONDecodeError as exc:
-                    if number == 1:
-                        return None  # maybe a single JSON document, not JSON lines
-                    return f"line {number}: invalid JSON ({exc.msg})"
-    return None
-
-
-def _load_files(fmt: str, files: List[str], cache_dir: Path):
-    from datasets import load_dataset
-
-    kwargs = {"delimiter": "\t"} if fmt == "csv" and files[0].lower().split(".gz")[0].endswith(".tsv") else {}
-    try:
-        return load_dataset(fmt, data_files=files, split="train", cache_dir=str(cache_dir), **kwargs)
-    except Exception as exc:  # datasets wraps the parser's error (pyarrow, pandas) in its own types
-        where = ""
-        if fmt == "json":
-            for path in files:
-                bad = _first_bad_json_line(path)
-                if bad:
-                    where = f" ({path}, {bad})"
-                    break
-        cause = exc.__cause__ or exc
-        text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+                raise RecipeError(
+                    f"input '{path}', line {number}: bytes that are not UTF-8 at column {exc.start + 1}",
+                    fix="re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8) or drop the bad rows",
+                ) from None
+            except json.JSONDecodeError as exc:
+                if not raw.strip():
+                    continue  # blank line
+                if number == 1 and raw.lstrip().startswith(b"["):
+                    raise RecipeError(
+                        f"input '{path}' is one JSON array, not JSON lines",
+                        fix="write one JSON object per line (e.g. jq -c '.[]' in.json > out.jsonl)",
+                    ) from None
+                raise RecipeError(
+                    f"input '{path}', line {number}: invalid JSON ({exc.msg})",
+                    fix="inputs must be valid UTF-8 JSON lines (one object per line)",
+                ) from None
+            if not isinstance(record, dict):
+                raise RecipeError(f"input '{path}', line {number}: {_kind(record)}, not a JSON object",
+                                  fix='write one object per line, e.g. {"text": "..."}')
+            rows += 1
+            first_fields = first_fields if first_fields is not None else list(record)
+            if key not in record:
+                missing += 1
+                continue
+            text = record[key]
+            if not isinstance(text, str):
+                raise _bad_row(path, f"line {number}", key, text)
+            with_key += 1
+            batch.append(text)
+            size += len(text)
+            if size >= batch_bytes or len(batch) >= max_docs:
+                yield TextBatch(batch, missing, len(batch) + missing)
+                batch, size, missing = [], 0, 0
+    if rows == 0:
+        raise RecipeError(f"input '{path}' holds no rows (empty file)", fix="remove it from input=, or re-create it")
+    if with_key == 0:
         raise RecipeError(
-            f"cannot read {fmt} input{where}: {text}",
-            fix="inputs must be valid UTF-8 " + ("JSON lines (one object per line)" if fmt == "json" else fmt),
-        ) from None
+            f"input '{path}' has no field '{key}' (fields: {', '.join(first_fields) or 'none'})",
+            fix=f"pass text_key=<one of {', '.join(first_fields)}>" if first_fields else "write objects with a text field",
+        )
+    if batch or missing:
+        yield TextBatch(batch, missing, len(batch) + missing)
 
 
-def _load_disk(path: str, split: Optional[str]):
+def _check_column(path: str, key: str, names: List[str], arrow_type) -> None:
+    import pyarrow as pa
+
+    if key not in names:
+        raise RecipeError(
+            f"input '{path}' has no field '{key}' (fields: {', '.join(names) or 'none'})",
+            fix=f"pass text_key=<one of {', '.join(names)}>",
+        )
+    if not (pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)):
+        raise RecipeError(f"field '{key}' of '{path}' holds {arrow_type}, not text", fix="point text_key at a string field")
+
+
+def _split_by_size(texts: List[str], batch_bytes: int) -> Iterator[TextBatch]:
+    start, size = 0, 0
+    for i, text in enumerate(texts):
+        size += len(text)
+        if size >= batch_bytes:
+            yield TextBatch(texts[start : i + 1], 0, i + 1 - start)
+            start, size = i + 1, 0
+    if start < len(texts):
+        yield TextBatch(texts[start:], 0, len(texts) - start)
+
+
+def _arrow_batches(path: str, key: str, record_batches, batch_bytes: int, start_row: int = 0) -> Iterator[TextBatch]:
+    """Arrow record batches of one string column -> TextBatch; a null names its row; bad UTF-8 too."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    row = start_row
+    for rb in record_batches:
+        column = rb.column(0) if isinstance(rb, pa.RecordBatch) else rb.column(key)
+        if column.null_count:
+            first = int(pc.index(pc.is_null(column), True).as_py())
+            raise _bad_row(path, f"row {row + first + 1}", key, None)
+        try:
+            texts = column.to_pylist()
+        except UnicodeDecodeError:
+            for i, raw in enumerate(column.cast(pa.binary()).to_pylist()):
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise RecipeError(
+                        f"input '{path}', row {row + i + 1}: field '{key}' holds bytes that are not UTF-8 "
+                        f"(at byte {exc.start} of the value)",
+                        fix="re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8) or drop the bad rows",
+                    ) from None
+            raise
+        row += len(texts)
+        yield from _split_by_size(texts, batch_bytes)
+    if row == start_row:
+        raise RecipeError(f"input '{path}' holds no rows", fix="remove it from input=, or re-create it")
+
+
+def _parquet(path: str, key: str, batch_bytes: int, max_docs: int) -> Iterator[TextBatch]:
+    import pyarrow.parquet as pq
+
+    try:
+        reader = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid/OSError for non-Parquet bytes
+        raise RecipeError(f"cannot read Parquet input '{path}': {exc}", fix="write it with pandas/pyarrow to_parquet") from None
+    schema = reader.schema_arrow
+    _check_column(path, key, schema.names, schema.field(key).type if key in schema.names else None)
+    yield from _arrow_batches(path, key, reader.iter_batches(batch_size=max_docs, columns=[key]), batch_bytes)
+
+
+def _csv(path: str, key: str, batch_bytes: int) -> Iterator[TextBatch]:
+    import pyarrow as pa
+    import pyarrow.csv as pcsv
+
+    delimiter = "\t" if _strip_compression(path.lower()).endswith(".tsv") else ","
+    try:
+        reader = pcsv.open_csv(
+            pa.input_stream(path, compression="detect"),
+            read_options=pcsv.ReadOptions(block_size=1 << 22),
+            parse_options=pcsv.ParseOptions(delimiter=delimiter, newlines_in_values=True),
+            convert_options=pcsv.ConvertOptions(column_types={key: pa.string()}, check_utf8=False),
+        )
+    except Exception as exc:  # pyarrow's CSV errors (empty file, bad header)
+        raise RecipeError(f"cannot read CSV input '{path}': {str(exc).splitlines()[0]}", fix="give a CSV file with a header row") from None
+    _check_column(path, key, reader.schema.names, pa.string())
+    yield from _arrow_batches(path, key, (rb.select([key]) for rb in reader), batch_bytes)
+
+
+def _disk(path: str, key: str, split: Optional[str], batch_bytes: int, max_docs: int) -> Iterator[TextBatch]:
     from datasets import DatasetDict, load_from_disk
 
     try:
@@ -115,59 +262,24 @@ def _load_disk(path: str, split: Optional[str]):
         chosen = split or ("train" if "train" in names else (names[0] if len(names) == 1 else None))
         if chosen not in names:
             raise RecipeError(f"'{path}' holds splits {names}", fix=f"choose one with split={names[0]}")
-        return loaded[chosen]
-    return loaded
+        loaded = loaded[chosen]
+    column_type = loaded.features.arrow_schema.field(key).type if key in loaded.column_names else None
+    _check_column(path, key, loaded.column_names, column_type)
+    ds = loaded.select_columns([key]).with_format("arrow")
+    yield from _arrow_batches(path, key, ds.iter(batch_size=max_docs), batch_bytes)
 
 
-def _check_utf8(ds, text_key: str, name: str, fmt: str) -> None:
-    """Arrow's JSON/CSV readers keep invalid UTF-8 bytes in string columns; find them before tokenizing."""
-    import pyarrow as pa
-
-    row = 0
-    for chunk in ds.data.table.column(text_key).chunks:
-        try:
-            chunk.validate(full=True)
-        except pa.ArrowInvalid:
-            for i, raw in enumerate(chunk.cast(pa.binary()).to_pylist()):
-                try:
-                    (raw or b"").decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    where = f"row {row + i + 1}"
-                    if fmt == "json":
-                        first = next((b for b in map(_first_bad_json_line, name.split(", ")) if b), None)
-                        where = first or where
-                    raise RecipeError(
-                        f"input '{name}', {where}: field '{text_key}' holds bytes that are not UTF-8 "
-                        f"(at byte {exc.start} of the value)",
-                        fix="re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8) or drop the bad rows",
-                    ) from None
-        row += len(chunk)
-
-
-def load_text_dataset(spec: str, text_key: str, cache_dir: Path, split: Optional[str] = None):
-    """The text column of every input, concatenated in input order. Missing column -> RecipeError."""
-    from datasets import Value, concatenate_datasets
-
+def iter_text_batches(spec: str, key: str, split: Optional[str] = None, batch_bytes: int = 1 << 20,
+                      max_docs: int = 1000) -> Iterator[TextBatch]:
+    """Every input's documents in order, in batches of about ``batch_bytes`` characters (at most ``max_docs``)."""
     paths = expand_inputs(spec)
-    groups: List[Tuple[str, List[str]]] = [(fmt, list(items)) for fmt, items in groupby(paths, key=input_format)]
-    parts = []
-    for fmt, files in groups:
-        loaded = [_load_disk(f, split) for f in files] if fmt == "disk" else [_load_files(fmt, files, cache_dir)]
-        for ds, name in zip(loaded, files if fmt == "disk" else [", ".join(files)]):
-            if text_key not in ds.column_names:
-                raise RecipeError(
-                    f"input '{name}' has no field '{text_key}' (fields: {', '.join(ds.column_names) or 'none'})",
-                    fix=f"pass text_key=<one of {', '.join(ds.column_names)}>",
-                )
-            ds = ds.select_columns([text_key])
-            if ds.features[text_key] != Value("string"):
-                if ds.features[text_key] not in (Value("large_string"), Value("null")):
-                    raise RecipeError(
-                        f"field '{text_key}' of '{name}' holds {ds.features[text_key]}, not text",
-                        fix="point text_key at a string field",
-                    )
-                ds = ds.cast_column(text_key, Value("string"))
-            if fmt != "disk":  # save_to_disk folders were written by Arrow from valid Python strings
-                _check_utf8(ds, text_key, name, fmt)
-            parts.append(ds)
-    return parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+    formats = [input_format(p) for p in paths]  # every path checked before any work
+    for path, fmt in zip(paths, formats):
+        if fmt == "json":
+            yield from _json_lines(path, key, batch_bytes, max_docs)
+        elif fmt == "parquet":
+            yield from _parquet(path, key, batch_bytes, max_docs)
+        elif fmt == "csv":
+            yield from _csv(path, key, batch_bytes)
+        else:
+            yield from _disk(path, key, split, batch_bytes, max_docs)

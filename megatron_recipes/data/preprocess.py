@@ -1,16 +1,21 @@
-"""Corpus -> megatron-core ``.bin/.idx``: ``datasets`` batched map with the Rust tokenizer, then one write.
+"""Corpus -> megatron-core ``.bin/.idx`` in one process: streamed batches, the Rust tokenizer's threads.
 
-Token ids never round-trip through Python lists between processes: workers tokenize whole batches
-(``encode_batch_fast``) into an Arrow ``int32`` column on disk, and the writer reads that column back
-as zero-copy NumPy slices into megatron-core's ``IndexedDatasetBuilder``. Output goes to temporary
-names and is renamed into place at the end (``indexed.atomic_indexed_builder``); the ``datasets``
-scratch folder is removed whatever happens.
+Start-up is part of the cost users wait for, so this command imports only what it needs: the
+``tokenizers`` library reading ``tokenizer.json`` (``fast_tokenizer``), NumPy, and one input reader
+(``inputs``); no torch, megatron-core or transformers. Parallelism is the Rust tokenizer's own thread
+pool (``encode_batch_fast`` releases the GIL), so there are no worker processes holding copies of the
+interpreter and no token lists pickled between them. Memory is bounded: a reader thread parses the
+next batch (about ``batch_bytes`` of text) while the current one is tokenized, and each batch's ids go
+straight to the ``.bin`` (``idx_writer``), which writes megatron-core's format byte for byte and
+publishes both files atomically.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,19 +24,18 @@ from typing import Optional
 import numpy as np
 
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.data.indexed import atomic_indexed_builder, token_dtype
-
-
+from megatron_recipes.data.idx_writer import indexed_writer, token_dtype
 @dataclass
 class PreprocessSummary:
     output_prefix: str
     input_rows: int
     documents: int  # written (non-empty) documents
     empty: int  # documents with no tokens: skipped
-    missing: int  # rows whose text field is null: skipped
+    missing: int  # JSON lines without the text field: skipped
     tokens: int
     bytes: int  # size of the .bin
     seconds: float
+    tokenizer_via: str = "tokenizer.json"  # how the tokenizer was loaded (fast_tokenizer)
 
     @property
     def docs_per_s(self) -> float:
@@ -43,63 +47,6 @@ class PreprocessSummary:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "docs_per_s": round(self.docs_per_s, 1), "tokens_per_s": round(self.tokens_per_s, 1)}
-
-
-class BatchEncoder:
-    """The ``datasets.map`` function: loads the tokenizer once per worker process, encodes whole batches."""
-
-    def __init__(self, tokenizer_dir: str, text_key: str, eod: Optional[int], add_special_tokens: bool, threads: bool):
-        self.tokenizer_dir, self.text_key, self.eod = tokenizer_dir, text_key, eod
-        self.add_special_tokens, self.threads = add_special_tokens, threads
-        self._backend = None
-
-    def _load(self):
-        if not self.threads:  # one process per core already: no Rust thread pool on top
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        from megatron_recipes.data.tokenizer import load_tokenizer_dir
-
-        hf = load_tokenizer_dir(self.tokenizer_dir).hf
-        backend = hf.backend_tokenizer
-        backend.encode_special_tokens = bool(getattr(hf, "split_special_tokens", False))  # as hf(text) does
-        return backend
-
-    def __call__(self, batch: dict) -> dict:
-        if self._backend is None:
-            self._backend = self._load()
-        texts = batch[self.text_key]
-        encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
-        encodings = encode([t if t else "" for t in texts], add_special_tokens=self.add_special_tokens)
-        tail = [self.eod] if self.eod is not None else []
-        return {"input_ids": [e.ids + tail if e.ids else [] for e in encodings]}
-
-
-def _progress(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="write .bin", unit="doc", disable=not enabled, dynamic_ncols=True)
-
-
-def _write(tokenized, prefix: str, dtype, show_progress: bool):
-    """Stream the Arrow token column into the builder in input order; returns (documents, empty, tokens)."""
-    documents = empty = tokens = 0
-    table = tokenized.data.table
-    column = table.column("input_ids")
-    with atomic_indexed_builder(prefix, dtype) as builder, _progress(len(tokenized), show_progress) as bar:
-        for chunk in column.chunks:
-            offsets = chunk.offsets.to_numpy()
-            values = chunk.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)  # honours slicing
-            lengths = np.diff(offsets)
-            base = int(offsets[0])
-            for i in np.flatnonzero(lengths):
-                start = int(offsets[i]) - base
-                builder.add_document(values[start : start + int(lengths[i])], [int(lengths[i])])
-            written = int(np.count_nonzero(lengths))
-            documents += written
-            empty += len(lengths) - written
-            tokens += int(offsets[-1] - offsets[0])
-            bar.update(len(lengths))
-            bar.set_postfix(tokens_per_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):,.0f}")
-    return documents, empty, tokens
 
 
 def _pid_alive(pid: int) -> bool:
@@ -125,6 +72,85 @@ def remove_stale_temporaries(prefix: str) -> None:
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
+def check_output_prefix(output_prefix: str, overwrite: bool) -> None:
+    """Refuse an existing dataset without ``overwrite``, and an output folder we cannot write, before any work."""
+    if output_prefix.endswith((".bin", ".idx")):
+        raise RecipeError(f"output_prefix={output_prefix} ends in .bin/.idx", fix="give the prefix only, e.g. out/corpus_text_document")
+    existing = [output_prefix + e for e in (".bin", ".idx") if os.path.exists(output_prefix + e)]
+    if existing and not overwrite:
+        raise RecipeError(
+            f"output_prefix={output_prefix} already holds a dataset ({', '.join(existing)}); training runs and "
+            "index caches built from it would see different data",
+            fix="pass --overwrite to replace it, or choose another output_prefix",
+        )
+    folder = Path(output_prefix).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".{Path(output_prefix).name}.write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise RecipeError(
+            f"cannot write output_prefix={output_prefix}: {exc.strerror} ({exc.filename or folder})",
+            fix="choose an output_prefix in a folder you can write to",
+        ) from None
+
+
+def _read_ahead(batches, depth: int = 2):
+    """Run the input reader in a thread, ``depth`` batches ahead; its exceptions re-raise here."""
+    out: "queue.Queue" = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce():
+        try:
+            for item in batches:
+                while not stop.is_set():
+                    try:
+                        out.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            out.put(done)
+        except BaseException as exc:  # handed to the consumer, raised there
+            out.put(exc)
+
+    thread = threading.Thread(target=produce, name="preprocess-reader", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = out.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+def _set_threads(workers: int) -> None:
+    """The Rust tokenizer's thread pool size (rayon reads it once, when the pool is first used)."""
+    os.environ.setdefault("RAYON_NUM_THREADS", str(workers))
+
+
+def _to_array(encodings, eod: Optional[int], dtype) -> tuple:
+    """One batch's ids back to back (+EOD per non-empty document) and each document's length."""
+    ids = [e.ids for e in encodings]
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    keep = lengths > 0
+    if eod is not None:
+        for x in ids:
+            if x:
+                x.append(eod)
+        lengths[keep] += 1
+    flat = np.fromiter((t for x in ids for t in x), dtype=dtype, count=int(lengths.sum()))
+    return flat, lengths[keep], int(len(ids) - keep.sum())
+
+
 def preprocess(
     input_spec: str,
     output_prefix: str,
@@ -137,58 +163,57 @@ def preprocess(
     add_special_tokens: bool = False,
     batch_size: int = 1000,
     show_progress: bool = True,
+    overwrite: bool = False,
+    batch_bytes: int = 1 << 20,
 ) -> PreprocessSummary:
     """Tokenize every document (+ EOD) of the inputs, in order, into ``<output_prefix>.bin/.idx``."""
-    import pyarrow.compute as pc
-    from datasets import Features, List, Value, disable_progress_bars, enable_progress_bars
-
-    from megatron_recipes.data.inputs import load_text_dataset
-    from megatron_recipes.data.tokenizer import tokenizer_source
+    from megatron_recipes.data.fast_tokenizer import load_preprocess_tokenizer
+    from megatron_recipes.data.inputs import expand_inputs, input_format, iter_text_batches
 
     started = time.perf_counter()
     workers = workers or len(os.sched_getaffinity(0))
     if workers < 1:
         raise RecipeError(f"workers={workers}", fix="workers >= 1")
-    if output_prefix.endswith((".bin", ".idx")):
-        raise RecipeError(f"output_prefix={output_prefix} ends in .bin/.idx", fix="give the prefix only, e.g. out/corpus_text_document")
-    tok = tokenizer_source(tokenizer)
+    check_output_prefix(output_prefix, overwrite)
+    for path in expand_inputs(input_spec):  # every input checked before the tokenizer loads
+        input_format(path)
+    _set_threads(workers)
+    tok = load_preprocess_tokenizer(tokenizer)
     out_dtype = token_dtype(tok.vocab_size, dtype)  # before any work: a too-narrow dtype is an error
+    eod = tok.eod if append_eod else None
     remove_stale_temporaries(output_prefix)
-    scratch = Path(output_prefix).parent / f".{Path(output_prefix).name}.preprocess-{os.getpid()}"
-    (enable_progress_bars if show_progress else disable_progress_bars)()
-    try:
-        scratch.mkdir(parents=True, exist_ok=True)
-        texts = load_text_dataset(input_spec, text_key, scratch / "inputs", split)
-        missing = int(pc.sum(pc.is_null(texts.data.table.column(text_key))).as_py() or 0)
-        procs = workers if workers > 1 and len(texts) >= 2 * batch_size else None
-        encoder = BatchEncoder(tok.source, text_key, tok.eod if append_eod else None, add_special_tokens, threads=procs is None)
-        tokenized = texts.map(
-            encoder,
-            batched=True,
-            batch_size=batch_size,
-            num_proc=procs,
-            remove_columns=[text_key],
-            features=Features({"input_ids": List(Value("int32"))}),
-            cache_file_name=str(scratch / "tokens.arrow"),
-            load_from_cache_file=False,
-            new_fingerprint=f"tokens-{os.getpid()}-{time.time_ns()}",
-            desc="tokenize",
-        )
-        documents, empty, tokens = _write(tokenized, output_prefix, out_dtype, show_progress)
-        del tokenized, texts
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-        enable_progress_bars()
-    empty -= missing  # null rows tokenized to nothing too; report them separately
+    encode = tok.backend.encode_batch_fast if workers > 1 else (lambda texts, **kw: [tok.backend.encode(t, **kw) for t in texts])
+    rows = missing = empty = 0
+    last_report = started
+    with indexed_writer(output_prefix, out_dtype) as writer:
+        for batch in _read_ahead(iter_text_batches(input_spec, text_key, split, batch_bytes, batch_size)):
+            rows += batch.rows
+            missing += batch.missing
+            if batch.texts:
+                flat, lengths, skipped = _to_array(encode(batch.texts, add_special_tokens=add_special_tokens), eod, out_dtype)
+                empty += skipped
+                if len(lengths):
+                    writer.add_batch(flat, lengths)
+            if show_progress and time.perf_counter() - last_report >= 10:
+                last_report = time.perf_counter()
+                print(f"preprocess: {rows:,} rows, {writer.tokens:,} tokens, {writer.tokens / (last_report - started):,.0f} tokens/s",
+                      flush=True)
+        if writer.documents == 0:
+            raise RecipeError(
+                f"no document of '{input_spec}' has any token ({rows} rows: {empty} empty, {missing} without '{text_key}'); "
+                "megatron-core cannot train on a 0-document dataset",
+                fix=f"check text_key={text_key} and that the input holds text",
+            )
     return PreprocessSummary(
         output_prefix=output_prefix,
-        input_rows=documents + empty + missing,
-        documents=documents,
+        input_rows=rows,
+        documents=writer.documents,
         empty=empty,
         missing=missing,
-        tokens=tokens,
+        tokens=writer.tokens,
         bytes=os.path.getsize(output_prefix + ".bin"),
         seconds=time.perf_counter() - started,
+        tokenizer_via=tok.via,
     )
 
 
@@ -202,6 +227,7 @@ def print_summary(summary: PreprocessSummary) -> None:
         ("documents written", f"{summary.documents:,}"),
         ("empty documents (skipped)", f"{summary.empty:,}"),
         ("rows without the text field (skipped)", f"{summary.missing:,}"),
+        ("tokenizer loaded via", summary.tokenizer_via),
         ("tokens", f"{summary.tokens:,}"),
         (".bin bytes", f"{summary.bytes:,}"),
         ("seconds", f"{summary.seconds:.2f}"),

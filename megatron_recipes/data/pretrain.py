@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.data import cache
-from megatron_recipes.data.indexed import check_indexed_prefix
+from megatron_recipes.data.indexed import check_indexed_prefix, content_fingerprint
 
 Blend = Tuple[List[str], Optional[List[float]]]
 SPLITS = ("train", "valid", "test")
@@ -145,6 +145,20 @@ def effective_split(cfg: RunConfig, blend: Optional[Blend], infos: dict, sizes: 
     return ",".join(f"{x:g}" for x in shares)
 
 
+def index_cache_path(cfg: RunConfig, blend: Optional[Blend], blend_per_split) -> str:
+    """``data.cache_dir``/index/<key of the data's content>: megatron-core keys its caches on paths only.
+
+    Every prefix's content fingerprint (``indexed.content_fingerprint``) goes into the folder name, so
+    a dataset re-written at the same path gets fresh caches instead of the old ones' stale indices.
+    """
+    root = cache.index_cache_dir(cfg.data.cache_dir)
+    blends = [blend] if blend else [b for b in (blend_per_split or []) if b]
+    prefixes = sorted({p for b in blends for p in b[0]})
+    if not prefixes:
+        return str(root)
+    return str(root / cache.content_key([[p, content_fingerprint(p)] for p in prefixes]))
+
+
 def gpt_dataset_config(cfg: RunConfig, tokenizer, blend=None, blend_per_split=None, mock: bool = False, split=None):
     """megatron-core's ``GPTDatasetConfig`` for the recipe (no attention mask: the model builds it)."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
@@ -155,7 +169,7 @@ def gpt_dataset_config(cfg: RunConfig, tokenizer, blend=None, blend_per_split=No
         blend=None if mock else blend,
         blend_per_split=None if mock else blend_per_split,
         split=None if blend_per_split else (split or cfg.data.split),
-        path_to_cache=str(cache.index_cache_dir(cfg.data.cache_dir)),
+        path_to_cache=index_cache_path(cfg, None if mock else blend, None if mock else blend_per_split),
         tokenizer=tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,
