@@ -15,9 +15,11 @@ from __future__ import annotations
 import os
 import queue
 import shutil
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Optional
 
@@ -147,7 +149,7 @@ def _to_array(encodings, eod: Optional[int], dtype) -> tuple:
             if x:
                 x.append(eod)
         lengths[keep] += 1
-    flat = np.fromiter((t for x in ids for t in x), dtype=dtype, count=int(lengths.sum()))
+    flat = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
     return flat, lengths[keep], int(len(ids) - keep.sum())
 
 
@@ -197,7 +199,7 @@ def preprocess(
             if show_progress and time.perf_counter() - last_report >= 10:
                 last_report = time.perf_counter()
                 print(f"preprocess: {rows:,} rows, {writer.tokens:,} tokens, {writer.tokens / (last_report - started):,.0f} tokens/s",
-                      flush=True)
+                      file=sys.stderr, flush=True)
         if writer.documents == 0:
             raise RecipeError(
                 f"no document of '{input_spec}' has any token ({rows} rows: {empty} empty, {missing} without '{text_key}'); "
