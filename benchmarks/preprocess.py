@@ -245,7 +245,7 @@ def main() -> int:
         base_cmd = megatron_cmd(args, str(corpus), str(work / "megatron"), tok)
     else:
         base_name = "FALLBACK self-made baseline (not Megatron-LM)"
-        base_cmd = fallback_cmd(str(corpus), str(work / "megatron_text_document"), tok, args.workers)
+        base_cmd = fallback_cmd(str(corpus), str(work / "megatron"), tok, args.workers)
     print(f"corpus: {size:.1f} MiB, {docs:,} documents; tokenizer: {tok}; workers: {args.workers}; runs: {args.runs}; "
           f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
 

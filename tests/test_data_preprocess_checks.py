@@ -14,7 +14,6 @@ import pytest
 from data_support import one_rank_group, small_builtin, small_cfg, stdlib_texts, write_jsonl
 
 from megatron_recipes.cli import main as cli_main
-from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.data.preprocess import preprocess
 
 

@@ -27,6 +27,8 @@ import numpy as np
 
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.data.idx_writer import indexed_writer, token_dtype
+
+
 @dataclass
 class PreprocessSummary:
     output_prefix: str
