@@ -143,3 +143,39 @@ def initial_weights(root: Path, cache_dir: Path, *overrides: str, recipe: str = 
 
     full = [f"run.dir={root.parent}", f"data.cache_dir={cache_dir}", "cluster.gpus_per_node=1", *SMALL_DATA, *overrides]
     return Path(run_ranks(_save_initial_weights, 1, recipe, full, str(root))[0])
+
+
+def stored_tensors(ckpt_dir: Path) -> Dict[str, "torch.Tensor"]:
+    """Every tensor a torch_dist checkpoint stores (model and optimizer), whole, by key, as stored.
+
+    Read straight from the files (torch DCP, no process group, no model): two checkpoints compare
+    bit for bit whatever layout wrote them.
+    """
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "all.pt"
+        dcp_to_torch_save(str(ckpt_dir), str(target))
+        loaded = torch.load(target, map_location="cpu", weights_only=False)
+    out: Dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, torch.Tensor):
+            out[prefix] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+
+    walk("", loaded)
+    return out
+
+
+def differing_tensors(a: Dict[str, "torch.Tensor"], b: Dict[str, "torch.Tensor"], prefix: str = "") -> List[str]:
+    """Keys (under ``prefix``) whose tensors are not bit-identical, or that only one side has."""
+    import torch
+
+    keys = sorted(k for k in set(a) | set(b) if k.startswith(prefix))
+    return [k for k in keys if k not in a or k not in b or a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]

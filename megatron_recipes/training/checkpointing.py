@@ -44,6 +44,9 @@ def resume(cfg: RunConfig, model, optimizer, scheduler) -> Optional[Dict[str, An
     if cfg.checkpoint.pretrained and not peft_active(cfg):  # PEFT runs loaded it before apply_peft
         # a missing path is an error there, never a silent random start
         checkpoint.load_weights(Path(cfg.checkpoint.pretrained), model, cfg)
+        # The optimizer already holds its fp32 main copies (bf16/fp16, or the distributed optimizer's
+        # shards) of the random initialisation: without this, its first step would write them back.
+        optimizer.reload_model_params()
         if torch.distributed.get_rank() == 0:
             print(f"initial weights from {cfg.checkpoint.pretrained}", flush=True)
     return None

@@ -230,6 +230,7 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Validation loss over the same first ``eval_iters`` global batches every time (comparable curve)."""
+        optim.finish_param_sync(self.model)  # deferred all-gathers (overlap_param_gather) first
         iterators = self._iterators(self.valid_ds, 0)
         return step.evaluate(self.cfg, self.model, iterators, self.forward_step, self.device, self.cfg.logging.eval_iters)
 
@@ -257,6 +258,7 @@ class Trainer:
         if not self.cfg.checkpoint.save or self.last_saved == self.step:
             return
         self.last_saved = self.step
+        optim.finish_param_sync(self.model)  # else other ranks' shards would be the previous step's
         checkpointing.save(self.cfg, self.step, self.consumed_samples, self.model, self.optimizer, self.scheduler)
 
     # ----- output -------------------------------------------------------------------------------

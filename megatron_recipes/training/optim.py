@@ -39,6 +39,10 @@ def wrap_model(cfg: RunConfig, chunks: List[torch.nn.Module]) -> List[torch.nn.M
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather,
         use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        # Under the interleaved schedule the schedule itself dispatches each chunk's parameter all-gather
+        # (config.param_sync_func, installed below); the forward pre-hooks must then only wait for them,
+        # which is what align_param_gather tells megatron-core's DDP. Without VPP the hooks dispatch.
+        align_param_gather=_schedule_dispatches_param_gather(cfg),
         average_in_collective=False,  # per-token loss: finalize_model_grads divides by the token count
     )
     # As Megatron-LM: only the first chunk buckets its grads; later VPP chunks' reduction overlaps with
@@ -47,6 +51,11 @@ def wrap_model(cfg: RunConfig, chunks: List[torch.nn.Module]) -> List[torch.nn.M
         DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
     ]
+
+
+def _schedule_dispatches_param_gather(cfg: RunConfig) -> bool:
+    p = cfg.parallel
+    return bool(p.overlap_param_gather and cfg.optimizer.use_distributed_optimizer and p.vpp)
 
 
 def configure_schedule_hooks(model: List[torch.nn.Module]) -> None:
@@ -61,9 +70,21 @@ def configure_schedule_hooks(model: List[torch.nn.Module]) -> None:
     if ddp.overlap_grad_reduce:
         grad_sync = [chunk.start_grad_sync for chunk in model]
         config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
-    if ddp.overlap_param_gather:
-        param_sync = [chunk.start_param_sync for chunk in model]
-        config.param_sync_func = param_sync[0] if len(param_sync) == 1 else param_sync
+    if ddp.overlap_param_gather and ddp.align_param_gather:  # only the interleaved schedule calls it
+        config.param_sync_func = [chunk.start_param_sync for chunk in model]
+
+
+def finish_param_sync(model: List[torch.nn.Module]) -> None:
+    """Complete the parameter all-gathers that ``overlap_param_gather`` defers to the next forward.
+
+    With it, ``optimizer.step()`` updates only this rank's shard; the other ranks' shards arrive in the
+    next forward's pre-hooks. A checkpoint, an evaluation or an export in between would read the
+    previous step's copy of them, so call this first (a no-op without the overlap).
+    """
+    for chunk in model:
+        ddp = getattr(chunk, "ddp_config", None)
+        if ddp is not None and ddp.use_distributed_optimizer and ddp.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
 
 
 def optimizer_config(cfg: RunConfig):

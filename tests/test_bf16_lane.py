@@ -1,0 +1,148 @@
+"""bf16 on the CPU lane: megatron-core's Float16Module, fp32 main parameters, fp32 gradient reduction.
+
+What every GPU run uses, checked with the real trainer on gloo. All runs start from one weights-only bf16
+step-0 checkpoint of the single-rank model (``checkpoint.pretrained``), the tiny corpus, 4 steps.
+
+- Fine-tuning from a pretrained checkpoint keeps its weights: the optimizer made its fp32 main copies
+  from the random initialisation before the weights were loaded, so without
+  ``optimizer.reload_model_params()`` the first step writes the random weights back. At lr 1e-50 one step
+  must leave the bf16 weights and the fp32 main copies bit-identical to the checkpoint's (at 1e-50 the
+  update underflows to zero in fp32; at 1e-30 a weight that is exactly 0 would move).
+- TP=2, PP=2 and DP=2 (distributed optimizer) reproduce the single-rank losses. Optimizer: Adam with
+  beta1=0, eps=1e4, lr=1e3 (the update is lr/eps*g to within 1e-5: SGD at 0.1 through the distributed
+  optimizer's code path, so rounding differences are not amplified by Adam's m/sqrt(v)).
+  Tolerance: 2**-8 (bf16's unit roundoff u, half its 2**-7 spacing) relative. Each layout reduces the
+  bf16 matmul partial sums in another order (TP splits the contraction and all-reduces bf16 partial
+  outputs; PP sends bf16 activations), so every logit carries an independent error of order u; the loss
+  is an fp32 mean over 256 tokens of smooth functions of those logits, so its relative error stays
+  below u (measured: about 1e-4 to 1e-3), while a wrong start or a lost update moves it by more (a
+  layout starting from its own random weights differs by several percent from step 2 on).
+- Resume is bit-identical: 4 steps straight equal 2 + (restart) + 2 under DP=2 with the distributed
+  optimizer (its fp32 main shards and Adam moments go through the checkpoint).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import train_support as ts
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+U_BF16 = 2.0**-8
+COMMON = [
+    *ts.FAST,
+    f"train.train_iters={STEPS}",
+    "checkpoint.load=none",
+    "checkpoint.save=false",
+    "parallel=none",
+    "precision=bf16",
+]
+ADAM_AS_SGD = [
+    "optimizer=adam",
+    "optimizer.lr=1000.0",
+    "optimizer.min_lr=1000.0",
+    "optimizer.adam_beta1=0.0",
+    "optimizer.adam_eps=10000.0",
+    "optimizer.weight_decay=0.0",
+    "optimizer.clip_grad=0.0",
+    "optimizer.lr_warmup_iters=0",
+    "optimizer.lr_decay_style=constant",
+    "optimizer.use_distributed_optimizer=true",
+]
+LAYOUTS = {
+    "tp2": (2, ["parallel.tp=2"]),
+    "pp2": (2, ["parallel.pp=2"]),
+    "dp2": (2, []),
+}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data-cache")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bf16")
+
+
+@pytest.fixture(scope="module")
+def init(base, cache) -> Path:
+    """The one starting checkpoint of this module: bf16 weights of the single-rank model, step 0.
+
+    Drawn with another seed than the runs', so a run that kept its own initialisation cannot pass.
+    """
+    return ts.initial_weights(base / "init" / "checkpoints", cache, *COMMON, "seed=7")
+
+
+def test_finetune_from_pretrained_keeps_weights_bit_for_bit(base, cache, init):
+    run = ts.train(
+        base / "sft",
+        cache,
+        *COMMON,
+        "train.train_iters=1",
+        "optimizer.lr=1e-50",
+        "optimizer.min_lr=1e-50",
+        "optimizer.lr_warmup_iters=0",
+        "optimizer.lr_decay_style=constant",
+        "checkpoint.save=true",
+        f"checkpoint.pretrained={init}",
+    ).check()
+    start = ts.stored_tensors(init)
+    after = ts.stored_tensors(base / "sft" / "checkpoints" / "iter_0000001")
+    weights = sorted(k for k in start if not k.startswith("optimizer."))
+    assert weights and all(start[k].dtype.is_floating_point for k in weights)
+    changed = [k for k in weights if not (after[k].dtype == start[k].dtype and after[k].equal(start[k]))]
+    assert not changed, f"one step at lr 1e-50 changed the pretrained weights {changed}:\n{run.output[-2000:]}"
+    main = {k: after[f"optimizer.state.param.{k}"] for k in weights}
+    assert all(m.dtype.is_floating_point and m.element_size() == 4 for m in main.values()), "main params not fp32"
+    wrong = [k for k in weights if not main[k].equal(start[k].float())]
+    assert not wrong, f"the optimizer's fp32 main parameters are not the pretrained weights: {wrong}"
+
+
+@pytest.fixture(scope="module")
+def reference(base, cache, init):
+    return _losses(base, cache, init, "single", 1, [])
+
+
+def _losses(base: Path, cache: Path, init: Path, name: str, nproc: int, extra):
+    run = ts.train(base / name, cache, *COMMON, *ADAM_AS_SGD, f"checkpoint.pretrained={init}", *extra, nproc=nproc)
+    losses = run.check().series("loss")
+    assert len(losses) == STEPS, f"{name}: incomplete log\n{run.output[-3000:]}"
+    return losses
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_bf16_layout_matches_single_rank(base, cache, init, reference, layout):
+    nproc, extra = LAYOUTS[layout]
+    got = _losses(base, cache, init, layout, nproc, extra)
+    diffs = ts.relative_diffs(got, reference)
+    assert all(d <= U_BF16 for d in diffs), f"{layout}: {got} vs single rank {reference}; relative {diffs} > {U_BF16}"
+    assert abs(reference[-1] - reference[0]) > 10 * U_BF16 * reference[0], "training barely moved: vacuous"
+
+
+RESUME = [
+    *ts.FAST,
+    "parallel=none",
+    "precision=bf16",
+    f"train.train_iters={STEPS}",
+    "optimizer.lr_warmup_iters=1",
+    f"checkpoint.save_interval={STEPS // 2}",
+]
+
+
+def test_bf16_resume_is_bit_identical(base, cache, init):
+    start = f"checkpoint.pretrained={init}"
+    straight = ts.train(base / "straight", cache, *RESUME, start, nproc=2).check()
+    first = ts.train(base / "halves", cache, *RESUME, start, f"train.exit_interval={STEPS // 2}", nproc=2).check()
+    assert len(first.series("loss")) == STEPS // 2, first.output[-3000:]
+    second = ts.train(base / "halves", cache, *RESUME, start, nproc=2).check()
+    assert "resumed from" in second.output, second.output[-3000:]
+    for key in ("loss", "grad_norm"):
+        assert first.series(key) + second.series(key)[-(STEPS // 2):] == straight.series(key), key
+    final = [ts.stored_tensors(r.run_dir / "checkpoints" / f"iter_{STEPS:07d}") for r in (straight, second)]
+    assert not ts.differing_tensors(*final), "final checkpoints differ"
