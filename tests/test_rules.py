@@ -124,6 +124,11 @@ CASES: Dict[str, Case] = {
     ),
     "data.split": (TINY, ("data.split='90,10'",), ("data.split='90,5,5'",)),
     "data.sft_needs_path": (TINY, ("data.kind=sft", PT), ("data.kind=sft", "data.sft_path=train.jsonl", PT)),
+    "data.packing_micro_batch": (
+        "llama3_8b_lora",
+        ("data.sft_path=train.jsonl", PT, "train.micro_batch_size=2"),
+        ("data.sft_path=train.jsonl", PT, "train.micro_batch_size=2", "data.packing=false"),
+    ),
     "run.intervals": (TINY, ("logging.log_interval=0",), ()),
     "peft.method": (TINY, ("peft.method=adapter", PT), ("peft.method=lora", PT)),
     "peft.lora_values": (TINY, ("peft.method=lora", "peft.rank=0", PT), ("peft.method=lora", PT)),

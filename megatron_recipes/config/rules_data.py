@@ -103,6 +103,31 @@ def _sft(cfg: RunConfig) -> Optional[str]:
     return one_of(d.overlong_policy, ("truncate", "drop"), "data.overlong_policy")
 
 
+def packed_thd_needs_mbs1(cfg: RunConfig) -> Optional[str]:
+    """Transformer Engine takes packed rows as one THD sequence per micro-batch (shared with the
+    machine check in models/capabilities.py, which applies it wherever the TE spec actually runs)."""
+    d, t = cfg.data, cfg.train
+    if d.kind == "sft" and d.packing and t.micro_batch_size != 1:
+        return (
+            f"data.packing=true with train.micro_batch_size={t.micro_batch_size}: Transformer Engine reads "
+            "packed sequences in THD form, one packed row per micro-batch"
+        )
+    return None
+
+
+@rule(
+    "data.packing_micro_batch",
+    ["data.kind", "data.packing", "train.micro_batch_size", "cluster.gpu_arch"],
+    "on GPUs (Transformer Engine attention) packed SFT rows go one per micro-batch",
+    "set train.micro_batch_size=1 (a packed row already holds several samples; raise train.seq_length "
+    "to pack more), or data.packing=false",
+)
+def _packing_micro_batch(cfg: RunConfig) -> Optional[str]:
+    if cfg.cluster.gpu_arch == "cpu":  # the CPU lane's local spec takes a block mask for any batch size
+        return None
+    return packed_thd_needs_mbs1(cfg)
+
+
 @rule(
     "run.intervals",
     ["logging.log_interval", "logging.eval_interval", "logging.eval_iters", "checkpoint.save_interval", "checkpoint.keep_last"],
@@ -123,4 +148,4 @@ def _intervals(cfg: RunConfig) -> Optional[str]:
     return f"{', '.join(bad)} out of range" if bad else None
 
 
-DATA_RULES = [_kind, _indexed_blend, _blend_format, _split, _sft, _intervals]
+DATA_RULES = [_kind, _indexed_blend, _blend_format, _split, _sft, _packing_micro_batch, _intervals]

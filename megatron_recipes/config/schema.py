@@ -216,6 +216,19 @@ class LoggingConfig:
 
 
 @dataclass
+class FusionsConfig:
+    """megatron-core's fused GPU kernels: null = on where this machine has the kernel (off on the CPU
+    lane), true = required (an error where missing), false = off. See models/fusions.py."""
+
+    gradient_accumulation: Optional[bool] = None
+    rope: Optional[bool] = None
+    bias_dropout: Optional[bool] = None
+    bias_activation: Optional[bool] = None
+    moe_permute: Optional[bool] = None
+    moe_router: Optional[bool] = None
+
+
+@dataclass
 class TrainConfig:
     global_batch_size: int = MISSING
     micro_batch_size: int = MISSING
@@ -228,6 +241,7 @@ class TrainConfig:
     # Stop cleanly (checkpoint first) once the step count is a multiple of this (Megatron-LM's
     # --exit-interval): for jobs split into fixed chunks of steps. None = run to train_iters.
     exit_interval: Optional[int] = None
+    fusions: FusionsConfig = field(default_factory=FusionsConfig)
 
 
 @dataclass

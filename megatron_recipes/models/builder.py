@@ -13,8 +13,12 @@ from megatron_recipes.models.transformer_config import build_transformer_config
 
 
 def transformer_config_for(cfg: RunConfig):
+    """The config this machine trains with: TE spec and fused kernels where available (models.fusions)."""
+    from megatron_recipes.models import fusions
+
     use_te = capabilities.use_transformer_engine()
-    return build_transformer_config(cfg, use_te=use_te, cpu_init=not torch.cuda.is_available())
+    decided = fusions.decide(cfg, capabilities.kernels())
+    return build_transformer_config(cfg, use_te=use_te, cpu_init=not torch.cuda.is_available(), fusions=decided)
 
 
 def layer_spec(

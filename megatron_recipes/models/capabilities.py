@@ -42,6 +42,30 @@ def detect() -> Machine:
     return Machine(cuda=cuda, transformer_engine=te, deep_ep=deep_ep, compute_capability=cc)
 
 
+def _te_version() -> tuple:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import transformer_engine
+
+    text = getattr(transformer_engine, "__version__", None)
+    if text is None:
+        try:
+            text = version("transformer-engine")
+        except PackageNotFoundError:
+            return ()
+    return tuple(int(p) for p in text.split("+")[0].split(".")[:2] if p.isdigit())
+
+
+def kernels(machine: Machine | None = None):
+    """The fused kernels this machine offers (models.fusions decides what a run switches on)."""
+    from megatron_recipes.models.fusions import Kernels
+
+    m = machine or detect()
+    te = use_transformer_engine(m)
+    apex = m.cuda and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    return Kernels(cuda=m.cuda, transformer_engine=te, te_version=_te_version() if te else (), apex_wgrad=apex)
+
+
 def use_transformer_engine(machine: Machine | None = None) -> bool:
     """TE layer spec when TE imports and a GPU is present; the local spec otherwise."""
     machine = machine or detect()
@@ -61,6 +85,12 @@ def unmet_requirements(cfg: RunConfig, machine: Machine | None = None) -> List[s
         problems.append(f"precision.fp4={prec.fp4} needs Transformer Engine on a Blackwell GPU, but {where}; use precision=bf16")
     if p.cp > 1 and not te:
         problems.append(f"parallel.cp={p.cp} needs Transformer Engine's attention, but {where}; use parallel.cp=1")
+    if te:
+        from megatron_recipes.config.rules_data import packed_thd_needs_mbs1
+
+        thd = packed_thd_needs_mbs1(cfg)
+        if thd:
+            problems.append(f"{thd}; set train.micro_batch_size=1 (raise train.seq_length to pack more) or data.packing=false")
     if p.moe_dispatcher == "flex" and not m.deep_ep:
         problems.append("parallel.moe_dispatcher=flex needs DeepEP (deep_ep) on a GPU, which is not importable here; use parallel.moe_dispatcher=alltoall")
     if prec.params_dtype == "fp16" and not m.cuda:
@@ -73,6 +103,9 @@ def unmet_requirements(cfg: RunConfig, machine: Machine | None = None) -> List[s
 
 
 def require_supported(cfg: RunConfig, machine: Machine | None = None) -> None:
+    from megatron_recipes.models import fusions
+
+    fusions.decide(cfg, kernels(machine))  # a required fusion this machine lacks is an error too
     problems = unmet_requirements(cfg, machine)
     if problems:
         raise RecipeError(

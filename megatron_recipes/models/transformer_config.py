@@ -7,7 +7,7 @@ never be overwritten later by a preset, and conversion, training and planning bu
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FP4_ELEMENT_FORMAT = {"nvfp4": "e2m1"}  # recipe name -> megatron-core's TransformerConfig.fp4
 _LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
@@ -69,8 +70,14 @@ def _precision_fields(cfg: RunConfig) -> Dict[str, Any]:
     }
     if prec.fp8:
         out.update(fp8=prec.fp8, fp8_recipe=prec.fp8_recipe, fp8_param=prec.fp8_param_gather)
+        if prec.fp8_recipe == "delayed":
+            # megatron-core's defaults (history 1, most_recent) make delayed scaling follow the previous
+            # step's amax alone; NeMo's FP8 recipes and Transformer Engine's own DelayedScaling default
+            # keep 1024 steps and take their max, which survives one outlier-free step.
+            out.update(fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
     if prec.fp4:
-        out.update(fp4=prec.fp4, fp4_recipe=prec.fp4)
+        # megatron-core: ``fp4`` is the element format (only 'e2m1'), ``fp4_recipe`` the scaling recipe.
+        out.update(fp4=FP4_ELEMENT_FORMAT[prec.fp4], fp4_recipe=prec.fp4)
     return out
 
 
@@ -163,8 +170,17 @@ def check_rope_scaling(cfg: RunConfig) -> None:
             )
 
 
-def build_transformer_config(cfg: RunConfig, use_te: bool, cpu_init: bool):
-    """RunConfig -> TransformerConfig / MLATransformerConfig for this machine (``use_te``: TE spec)."""
+def fusions_off() -> Dict[str, bool]:
+    from megatron_recipes.models.fusions import FIELDS
+
+    return {name: False for name in FIELDS.values()}
+
+
+def build_transformer_config(cfg: RunConfig, use_te: bool, cpu_init: bool, fusions: Optional[Dict[str, bool]] = None):
+    """RunConfig -> TransformerConfig / MLATransformerConfig for this machine (``use_te``: TE spec).
+
+    ``fusions``: megatron-core fusion field -> on/off, from ``models.fusions.decide`` (None: all off).
+    """
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     m = cfg.model
@@ -187,12 +203,12 @@ def build_transformer_config(cfg: RunConfig, use_te: bool, cpu_init: bool):
         window_size=(m.sliding_window - 1, 0) if m.sliding_window else None,  # HF: the last N keys, itself included
         calculate_per_token_loss=True,
         use_cpu_initialization=cpu_init,
-        bias_activation_fusion=use_te,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=True,
     )
+    # Fused kernels as models.fusions decided for this machine (all off when not given: conversion).
+    fields.update({name: False for name in fusions_off()})
+    fields.update(fusions or {})
     fields.update(_activation(m.activation))
     fields.update(_parallel_fields(cfg, on_gpu=not cpu_init))
     fields.update(_precision_fields(cfg))
