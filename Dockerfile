@@ -21,10 +21,14 @@ COPY megatron_recipes/ megatron_recipes/
 COPY recipes/ recipes/
 COPY conversion/ conversion/
 COPY launch/ launch/
-# The base image's pip constraints keep its own torch/TE/NCCL builds: pip fails loudly rather than
-# replacing them. The import check fails the build if the entry points cannot load.
-RUN pip install --no-cache-dir . \
- && python -c "import megatron.core, megatron_recipes.train, megatron_recipes._launch.entry" \
+# The `gpu` extra pins megatron-core to the tested release and TE to the range it supports. The base
+# image's pip constraints keep its own torch/TE/NCCL builds: pip fails loudly rather than replacing them.
+# The import check fails the build if the entry points cannot load; the build log shows the versions.
+# (DL3013 reads ".[gpu]" as an unpinned package; it is this project, whose extra pins the versions.)
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir ".[gpu]" \
+ && python -c "import megatron.core, transformer_engine.pytorch, megatron_recipes.train, megatron_recipes._launch.entry" \
+ && python -m megatron_recipes.runtime.versions \
  && megatron-recipes --help > /dev/null
 
 WORKDIR /workspace

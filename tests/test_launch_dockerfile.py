@@ -54,7 +54,18 @@ def test_copies_everything_the_wheel_ships_and_installs_it():
     shipped = {folder for folder in setuptools["package-dir"].values()}
     assert shipped <= copied, f"the wheel ships {sorted(shipped - copied)} but the image does not copy them"
     assert {"pyproject.toml", "setup.py"} <= copied
-    assert any(w == "RUN" and re.search(r"pip install (--\S+ )*\.(\s|$)", a) for w, a in steps)
+    assert any(w == "RUN" and re.search(r"pip install (--\S+ )*\"?\.(\[gpu\])?\"?(\s|$)", a) for w, a in steps)
+
+
+def test_image_installs_the_tested_megatron_core():
+    """A fresh image must not pull an untested megatron-core: the gpu extra pins the tested version."""
+    from importlib.metadata import version
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert f"megatron-core=={version('megatron-core')}" in extras, extras
+    (te,) = [e for e in extras if e.startswith("transformer-engine")]
+    assert "<" in te, f"{te}: give Transformer Engine an upper bound"
+    assert any(w == "RUN" and '".[gpu]"' in a for w, a in _instructions()), "the image must install the gpu extra"
 
 
 def test_dockerignore_keeps_what_is_copied():

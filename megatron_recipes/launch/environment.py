@@ -21,7 +21,8 @@ class EnvVar:
     expand: bool = False  # the value refers to script variables ("$JOB_LOG_DIR/...") and is double-quoted
 
 
-def _cuda_device_max_connections(cfg: RunConfig) -> List[EnvVar]:
+def cuda_device_max_connections(cfg: RunConfig) -> List[EnvVar]:
+    """Also applied by every rank of a single-node start (training/cli.py), which has no job script."""
     p, arch = cfg.parallel, cfg.cluster.gpu_arch
     if p.tp == 1 and p.cp == 1:
         return []
@@ -57,7 +58,7 @@ def derive_env(cfg: RunConfig) -> List[EnvVar]:
                 "without it every rank starts one thread per core of the node",
             ))
         return env
-    env += _cuda_device_max_connections(cfg)
+    env += cuda_device_max_connections(cfg)
     if p.overlap_grad_reduce or p.overlap_param_gather:
         env.append(EnvVar("NVTE_FWD_LAYERNORM_SM_MARGIN", "16",
                           "DP communication is overlapped with compute: leave SMs free for it during TE norms"))

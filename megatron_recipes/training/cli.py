@@ -50,11 +50,29 @@ def _compose(argv: Sequence[str]):
     return args.recipe, compose_recipe(args.recipe, args.overrides)
 
 
+def set_rank_environment(cfg, environ=os.environ) -> List[str]:
+    """What a Slurm job script exports but a single-node start (``train``, ``run_single_node.sh``, the
+    in-container entry, a bare torchrun) would lack: CUDA_DEVICE_MAX_CONNECTIONS, which megatron-core's
+    TP/CP communication overlap needs before CUDA initialises. A value the user set is kept."""
+    from megatron_recipes.launch.environment import cuda_device_max_connections
+
+    notes = []
+    for var in cuda_device_max_connections(cfg):
+        if var.name in environ:
+            continue
+        environ[var.name] = var.value
+        notes.append(f"{var.name}={var.value} ({var.why})")
+    return notes
+
+
 def run_rank(argv: Sequence[str]) -> int:
     """Train on this process as one rank of the job."""
     from megatron_recipes.training.loop import run
 
     recipe, cfg = _compose(argv)
+    for note in set_rank_environment(cfg):
+        if os.environ.get("RANK", "0") == "0":
+            print(f"environment: {note}", flush=True)
     return run(cfg, recipe)
 
 

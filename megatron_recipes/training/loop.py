@@ -18,8 +18,8 @@ from megatron_recipes.config import derived
 from megatron_recipes.config.compose import to_yaml
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.models import capabilities
-from megatron_recipes.runtime import distributed
+from megatron_recipes.models import capabilities, fusions
+from megatron_recipes.runtime import distributed, versions
 from megatron_recipes.training import checkpoint, checkpoint_store, checkpointing, metrics, optim, sinks, step
 from megatron_recipes.training.preemption import PreemptionWatcher
 
@@ -279,6 +279,8 @@ class Trainer:
             "params_on_rank0": n_params,
             "flops_per_step": metrics.flops_per_step(cfg),
             "start_step": self.step,
+            "versions": versions.stack(),
+            "fusions": {k: v for k, v in vars(self.model[0].config).items() if k in fusions.FIELDS.values()},
         }
         self.sink.metadata("run", meta)
         lane = " (CPU lane: megatron-core on CPU over gloo)" if self.runtime.cpu_lane else ""
@@ -286,6 +288,7 @@ class Trainer:
             f"training {cfg.model.name}: {layout} on {self.runtime.world_size} rank(s){lane}; "
             f"{n_params:,} parameters on rank 0; steps {self.step} -> {cfg.train.train_iters}; run dir {self.run_dir}"
         )
+        self._say(f"versions: {versions.describe(meta['versions'])}; {fusions.describe(meta['fusions'])}")
 
     def _print(self, data: Dict[str, Any]) -> None:
         parts = [f"step {self.step:>6}/{self.cfg.train.train_iters}"]

@@ -1,0 +1,115 @@
+"""GPU-path settings decided without a GPU: fused kernels, FP8/FP4 fields, the rank environment, versions.
+
+Each is built through the project's one mapping into megatron-core's real ``TransformerConfig`` (whose
+own validation runs), for a machine described as a GPU with Transformer Engine where that matters.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_recipes.config.compose import compose_recipe
+from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.models import fusions
+from megatron_recipes.models.fusions import Kernels
+from megatron_recipes.models.transformer_config import build_transformer_config
+
+GPU = Kernels(cuda=True, transformer_engine=True, te_version=(2, 9))
+CPU = Kernels(cuda=False, transformer_engine=False)
+
+
+def _cfg(*overrides, recipe="tiny_llama_cpu"):
+    return compose_recipe(recipe, ["parallel=none", "cluster.gpus_per_node=1", *overrides])
+
+
+def _gpu_config(cfg):
+    # Without Transformer Engine installed megatron-core cannot validate its fused RoPE; the TE
+    # structure tests (test_te_structure.py) cover that one with the TE import stub.
+    decided = {**fusions.decide(cfg, GPU), "apply_rope_fusion": False}
+    return build_transformer_config(cfg, use_te=True, cpu_init=True, fusions=decided)
+
+
+@pytest.mark.parametrize(
+    "overrides, fused",
+    [
+        ((), True),  # swiglu
+        (("model.activation=gelu",), False),  # gelu without bias: megatron-core rejects the fusion
+        (("model.activation=gelu", "model.add_bias_linear=true"), True),
+        (("model.activation=squared_relu",), False),  # no fused kernel
+    ],
+)
+def test_bias_activation_fusion_follows_the_activation(overrides, fused):
+    config = _gpu_config(_cfg(*overrides))
+    assert config.bias_activation_fusion is fused
+
+
+def test_squared_relu_cannot_require_bias_activation_fusion():
+    with pytest.raises(RecipeError, match="train.fusions.bias_activation=true: model.activation=squared_relu"):
+        fusions.decide(_cfg("model.activation=squared_relu", "train.fusions.bias_activation=true"), GPU)
+
+
+def test_fusions_on_where_the_kernels_are_off_on_the_cpu_lane():
+    dense, moe = _cfg(), _cfg("model=tiny_moe")
+    on_gpu = fusions.decide(dense, GPU)
+    assert all(on_gpu[f] for f in ("gradient_accumulation_fusion", "apply_rope_fusion", "bias_dropout_fusion"))
+    assert not on_gpu["moe_permute_fusion"] and not on_gpu["moe_router_fusion"]  # dense model
+    assert fusions.decide(moe, GPU)["moe_router_fusion"]
+    old_te = fusions.decide(moe, Kernels(cuda=True, transformer_engine=True, te_version=(2, 3)))
+    assert old_te["moe_permute_fusion"] and not old_te["moe_router_fusion"]  # router fusion needs TE 2.7
+    assert not any(fusions.decide(moe, CPU).values())
+    assert not any(fusions.decide(_cfg("train.fusions.rope=false"), GPU)[f] for f in ("apply_rope_fusion",))
+
+
+def test_a_required_fusion_this_machine_lacks_is_an_error():
+    with pytest.raises(RecipeError) as err:
+        fusions.decide(_cfg("train.fusions.gradient_accumulation=true", "train.fusions.rope=true"), CPU)
+    assert "train.fusions.gradient_accumulation=true: no GPU" in str(err.value)
+    assert "train.fusions.rope=true" in str(err.value)
+    local_spec_gpu = Kernels(cuda=True, transformer_engine=False)
+    with pytest.raises(RecipeError, match="apex"):
+        fusions.decide(_cfg("train.fusions.gradient_accumulation=true"), local_spec_gpu)
+
+
+def test_the_cpu_lane_trains_with_every_fusion_off():
+    from megatron_recipes.models.builder import transformer_config_for
+
+    config = transformer_config_for(_cfg())
+    assert not any(getattr(config, f) for f in fusions.FIELDS.values())
+
+
+def test_fp4_uses_megatron_cores_element_format():
+    config = _gpu_config(_cfg("precision=nvfp4", "train.fusions.rope=false"))
+    assert (config.fp4, config.fp4_recipe) == ("e2m1", "nvfp4")  # megatron-core types fp4 as Literal['e2m1']
+
+
+def test_fp8_delayed_scaling_keeps_an_amax_history():
+    config = _gpu_config(_cfg("precision=fp8_delayed"))
+    assert (config.fp8, config.fp8_recipe) == ("hybrid", "delayed")
+    assert (config.fp8_amax_history_len, config.fp8_amax_compute_algo) == (1024, "max")
+    current = _gpu_config(_cfg("precision=fp8_tensorwise"))
+    assert current.fp8_amax_history_len == 1  # current scaling keeps no history
+
+
+def test_single_node_ranks_set_cuda_device_max_connections(monkeypatch):
+    """A rank started without a job script (train, run_single_node.sh, torchrun) sets it before CUDA."""
+    from megatron_recipes.training import cli, loop
+
+    seen = {}
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setattr(loop, "run", lambda cfg, recipe: seen.setdefault("value", cli.os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")) and 0)
+    cli.run_rank(["llama3_8b_pretrain"])  # TP=2 on H100: megatron-core overlaps TP communication
+    assert seen["value"] == "1"
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "4")
+    seen.clear()
+    cli.run_rank(["llama3_8b_pretrain"])
+    assert seen["value"] == "4", "a value the user set is kept"
+    env = {}
+    assert cli.set_rank_environment(_cfg(), env) == [] and env == {}  # CPU lane: nothing to set
+
+
+def test_versions_name_the_whole_stack():
+    from megatron_recipes.runtime import versions
+
+    stack = versions.stack()
+    assert set(stack) == {"megatron-core", "transformer-engine", "torch", "cuda"}
+    assert stack["megatron-core"].startswith("0.") and stack["torch"]
