@@ -122,7 +122,8 @@ def test_bf16_layout_matches_single_rank(base, cache, init, reference, layout):
     got = _losses(base, cache, init, layout, nproc, extra)
     diffs = ts.relative_diffs(got, reference)
     assert all(d <= U_BF16 for d in diffs), f"{layout}: {got} vs single rank {reference}; relative {diffs} > {U_BF16}"
-    assert abs(reference[-1] - reference[0]) > 10 * U_BF16 * reference[0], "training barely moved: vacuous"
+    # the loss must move several tolerances over the run, or the comparison could not tell layouts apart
+    assert abs(reference[-1] - reference[0]) > 4 * U_BF16 * reference[0], f"training barely moved: {reference}"
 
 
 RESUME = [
@@ -139,10 +140,12 @@ def test_bf16_resume_is_bit_identical(base, cache, init):
     start = f"checkpoint.pretrained={init}"
     straight = ts.train(base / "straight", cache, *RESUME, start, nproc=2).check()
     first = ts.train(base / "halves", cache, *RESUME, start, f"train.exit_interval={STEPS // 2}", nproc=2).check()
-    assert len(first.series("loss")) == STEPS // 2, first.output[-3000:]
+    first_half = {key: first.series(key) for key in ("loss", "grad_norm")}  # the log grows with the second run
+    assert len(first_half["loss"]) == STEPS // 2, first.output[-3000:]
     second = ts.train(base / "halves", cache, *RESUME, start, nproc=2).check()
     assert "resumed from" in second.output, second.output[-3000:]
     for key in ("loss", "grad_norm"):
-        assert first.series(key) + second.series(key)[-(STEPS // 2):] == straight.series(key), key
+        assert first_half[key] == straight.series(key)[: STEPS // 2], key
+        assert second.series(key)[-(STEPS // 2):] == straight.series(key)[STEPS // 2:], key
     final = [ts.stored_tensors(r.run_dir / "checkpoints" / f"iter_{STEPS:07d}") for r in (straight, second)]
     assert not ts.differing_tensors(*final), "final checkpoints differ"

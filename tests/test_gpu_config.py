@@ -70,6 +70,15 @@ def test_a_required_fusion_this_machine_lacks_is_an_error():
         fusions.decide(_cfg("train.fusions.gradient_accumulation=true"), local_spec_gpu)
 
 
+def test_a_gpu_machine_builds_its_config_with_the_fusions_on(monkeypatch):
+    from megatron_recipes.models import builder, capabilities
+
+    monkeypatch.setattr(capabilities, "kernels", lambda machine=None: GPU)
+    monkeypatch.setattr(capabilities, "use_transformer_engine", lambda machine=None: True)
+    config = builder.transformer_config_for(_cfg("train.fusions.rope=false"))
+    assert config.gradient_accumulation_fusion and config.bias_dropout_fusion and config.bias_activation_fusion
+
+
 def test_the_cpu_lane_trains_with_every_fusion_off():
     from megatron_recipes.models.builder import transformer_config_for
 

@@ -1,0 +1,49 @@
+"""Transformer Engine structure without a GPU: every shipped recipe x every precision group.
+
+In a subprocess with an import stub of ``transformer_engine`` (tests/helpers/te_stub.py; only these
+tests use it), tests/helpers/te_structure.py builds megatron-core's ``TransformerConfig`` exactly as a
+GPU run with TE would (fusions decided for that machine, so megatron-core validates the fused RoPE, the
+bias+activation fusion, FP8/FP4 fields) and the TE decoder block spec next to the local spec the CPU
+lane trains with, checking that both store every norm under the same checkpoint keys.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch_support import REPO
+
+RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+PRECISIONS = sorted(p.stem for p in (REPO / "recipes" / "precision").glob("*.yaml"))
+HELPER = Path(__file__).parent / "helpers" / "te_structure.py"
+
+
+@pytest.fixture(scope="module")
+def results():
+    cases = [f"{r}/{p}" for r in RECIPES for p in PRECISIONS]
+    proc = subprocess.run([sys.executable, str(HELPER), *cases], capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_every_recipe_has_a_case():
+    assert {"llama3_70b_pretrain", "deepseek_v3_pretrain", "mixtral_8x7b_pretrain", "tiny_llama_cpu"} <= set(RECIPES)
+    assert {"bf16", "fp8_delayed", "fp8_tensorwise", "fp8_blockwise", "mxfp8", "nvfp4"} <= set(PRECISIONS)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_te_config_and_spec_match_the_local_checkpoint_layout(results, recipe):
+    failed = {case: r["error"] for case, r in results.items() if case.startswith(f"{recipe}/") and r.get("error")}
+    assert not failed, json.dumps(failed, indent=1)[:4000]
+    for precision in PRECISIONS:
+        r = results[f"{recipe}/{precision}"]
+        assert r["spec"].startswith("TE"), f"{recipe}/{precision}: the TE spec was not built ({r['spec']})"
+        assert {"gradient_accumulation_fusion", "bias_dropout_fusion"} <= set(r["fusions"])
+        assert bool(r["fp8"]) == (precision.startswith("fp8") or precision == "mxfp8")
+        assert r["fp4"] == ("e2m1" if precision == "nvfp4" else None)
