@@ -280,6 +280,7 @@ class Trainer:
             "flops_per_step": metrics.flops_per_step(cfg),
             "start_step": self.step,
             "versions": versions.stack(),
+            "layer_spec": "transformer_engine" if capabilities.use_transformer_engine() else "local",
             "fusions": {k: v for k, v in vars(self.model[0].config).items() if k in fusions.FIELDS.values()},
         }
         self.sink.metadata("run", meta)
@@ -288,7 +289,10 @@ class Trainer:
             f"training {cfg.model.name}: {layout} on {self.runtime.world_size} rank(s){lane}; "
             f"{n_params:,} parameters on rank 0; steps {self.step} -> {cfg.train.train_iters}; run dir {self.run_dir}"
         )
-        self._say(f"versions: {versions.describe(meta['versions'])}; {fusions.describe(meta['fusions'])}")
+        self._say(
+            f"versions: {versions.describe(meta['versions'])}; layer spec: {meta['layer_spec']}; "
+            f"{fusions.describe(meta['fusions'])}"
+        )
 
     def _print(self, data: Dict[str, Any]) -> None:
         parts = [f"step {self.step:>6}/{self.cfg.train.train_iters}"]
