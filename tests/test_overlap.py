@@ -53,3 +53,37 @@ def test_overlap_trains_and_checkpoints_bit_identically(tmp_path, cache, layout)
     assert any(k.startswith("optimizer.") for k in mid[0]), "the checkpoint holds no optimizer state"
     differ = ts.differing_tensors(*mid)
     assert not differ, f"step-3 checkpoints differ in {len(differ)} of {len(mid[0])} tensors: {differ[:8]}"
+
+
+def _param_sync_setup(run_dir: str, vpp):
+    """(rank) The trainer's DDP chunks and schedule hooks: align_param_gather and param_sync_func."""
+    from checkpoint_support import tiny_cfg
+
+    from megatron_recipes.models.builder import build_model_chunks
+    from megatron_recipes.runtime import distributed
+    from megatron_recipes.training import optim
+
+    flags = ("parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true", "optimizer.use_distributed_optimizer=true")
+    cfg = tiny_cfg(run_dir, pp=2, vpp=vpp, world=2, extra=flags)
+    distributed.init_model_parallel(cfg)
+    model = optim.wrap_model(cfg, build_model_chunks(cfg))
+    optim.configure_schedule_hooks(model)
+    funcs = model[0].config.param_sync_func
+    dispatchers = [f == chunk.start_param_sync for f, chunk in zip(funcs, model)] if funcs is not None else None
+    return [chunk.ddp_config.align_param_gather for chunk in model], dispatchers
+
+
+@pytest.mark.parametrize("vpp", [None, 2])
+def test_param_gathers_are_dispatched_once(tmp_path, vpp):
+    """Under VPP the interleaved schedule dispatches each chunk's gathers (``param_sync_func``), so the
+    forward pre-hooks must only wait for them: megatron-core's ``align_param_gather`` (its DDP pre-hook in
+    ``distributed_data_parallel.py`` otherwise dispatches the next bucket itself, a second dispatch that
+    breaks the overlap order). Without VPP the schedule never calls ``param_sync_func`` and the hooks
+    dispatch; aligning there would serialise every gather."""
+    from multiproc import run_ranks
+
+    for align, dispatchers in run_ranks(_param_sync_setup, 2, str(tmp_path), vpp):
+        if vpp:
+            assert align == [True] * vpp and dispatchers == [True] * vpp
+        else:
+            assert align == [False] and dispatchers is None
