@@ -93,6 +93,7 @@ def test_finetune_from_pretrained_keeps_weights_bit_for_bit(base, cache, init):
         "checkpoint.save=true",
         f"checkpoint.pretrained={init}",
     ).check()
+    assert "versions: megatron-core 0." in run.output and "layer spec: local" in run.output, run.output[-2000:]
     start = ts.stored_tensors(init)
     after = ts.stored_tensors(base / "sft" / "checkpoints" / "iter_0000001")
     weights = sorted(k for k in start if not k.startswith("optimizer."))
