@@ -122,3 +122,17 @@ def test_versions_name_the_whole_stack():
     stack = versions.stack()
     assert set(stack) == {"megatron-core", "transformer-engine", "torch", "cuda"}
     assert stack["megatron-core"].startswith("0.") and stack["torch"]
+
+
+def test_packed_sft_with_several_rows_per_micro_batch_is_refused_where_te_runs():
+    """tiny_llama_sft declares a CPU cluster (mbs 4 is fine on the local spec), but started on a GPU
+    machine with Transformer Engine it would hand TE several packed rows at once: refused there."""
+    from megatron_recipes.models.capabilities import Machine, unmet_requirements
+
+    cfg = compose_recipe("tiny_llama_sft", ["data.sft_path=train.jsonl"])
+    hopper = Machine(cuda=True, transformer_engine=True, deep_ep=False, compute_capability=(9, 0))
+    cpu = Machine(cuda=False, transformer_engine=False, deep_ep=False, compute_capability=(0, 0))
+    assert any("train.micro_batch_size=1" in p for p in unmet_requirements(cfg, hopper))
+    assert not unmet_requirements(cfg, cpu)
+    one_row = compose_recipe("tiny_llama_sft", ["data.sft_path=train.jsonl", "train.micro_batch_size=1"])
+    assert not unmet_requirements(one_row, hopper)
