@@ -7,6 +7,7 @@ keys and wrong types fail here, before anything starts.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from importlib import resources
@@ -93,6 +94,23 @@ def compose_dict(recipe: str, overrides: Sequence[str] = ()) -> DictConfig:
         raise RecipeError(_first_line(exc), fix=_group_option_hint(str(exc))) from None
     except (ConfigCompositionException, HydraException, OmegaConfBaseException) as exc:
         raise RecipeError(_describe_compose_error(exc), fix=_fix_for_compose_error(exc)) from None
+    except AssertionError:  # OmegaConf.update asserts when a key's parent is null (model.rope_scaling.factor)
+        raise _override_under_null(recipe, overrides) from None
+    except Exception as exc:  # YAML syntax, OmegaConf internals (merging a dict into a null typed group)
+        raise _unreadable(recipe, config_dir, exc) from None
+    if OmegaConf.get_type(cfg) is not RunConfig:  # an empty file, or a defaults list without run_schema
+        raise RecipeError(
+            f"recipe '{recipe}' is not a recipe: it is empty or its defaults list does not start with {SCHEMA_NAME}",
+            fix=f"begin it with `defaults: [{SCHEMA_NAME}, model: ..., parallel: ..., cluster: ..., precision: ..., "
+            "data: ..., optimizer: ..., _self_]` (see recipes/tiny_llama_cpu.yaml)",
+        )
+    unknown = sorted(_unknown_keys(cfg))
+    if unknown:  # `+key=value` adds a key even to a typed group; to_object would then drop it silently
+        raise RecipeError(
+            f"unknown key(s) {', '.join(unknown)}: not in the schema, so they would be silently ignored",
+            fix="check the key spelling (no '+' needed for schema keys); "
+            "`megatron-recipes plan <recipe> --show-config` prints every valid key",
+        )
     return cfg
 
 
@@ -137,6 +155,58 @@ def _missing_keys(cfg: DictConfig, prefix: str = "") -> Iterable[str]:
         value = cfg._get_node(key)
         if isinstance(value, DictConfig):
             yield from _missing_keys(value, prefix=f"{full}.")
+
+
+def _unknown_keys(cfg: DictConfig, prefix: str = "") -> Iterable[str]:
+    """Keys of typed (dataclass) nodes that their dataclass does not declare."""
+    kind = OmegaConf.get_type(cfg)
+    declared = {f.name for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else None
+    for key in cfg.keys():
+        full = f"{prefix}{key}"
+        if declared is not None and key not in declared:
+            yield full
+            continue
+        value = cfg._get_node(key)
+        if isinstance(value, DictConfig) and not value._is_none() and not value._is_missing():
+            yield from _unknown_keys(value, prefix=f"{full}.")
+
+
+def _override_under_null(recipe: str, overrides: Sequence[str]) -> RecipeError:
+    """Name the override whose parent group is null in the recipe (found by composing without it)."""
+    keys = [ov.lstrip("+~").split("=", 1)[0] for ov in overrides if not ov.startswith("hydra.")]
+    try:
+        base = compose_dict(recipe, [ov for ov in overrides if ov.startswith("hydra.") or "." not in ov.split("=", 1)[0]])
+    except RecipeError:
+        base = None
+    for key in keys:
+        parts = key.split(".")
+        for i in range(1, len(parts)):
+            parent = ".".join(parts[:i])
+            if base is not None and OmegaConf.select(base, parent, default="absent") is None:
+                return RecipeError(
+                    f"override '{key}' sets a key inside '{parent}', which is null in recipe '{recipe}'",
+                    fix=f"set {parent} in a recipe .yaml (its defaults plus the fields you change); "
+                    "the command line cannot fill a group the recipe leaves null",
+                )
+    return RecipeError(f"an override of recipe '{recipe}' sets a key inside a null group", fix="set the whole group")
+
+
+def _unreadable(recipe: str, config_dir: Path, exc: Exception) -> RecipeError:
+    """One message for a recipe or override Hydra could not even compose (no traceback)."""
+    import yaml
+
+    if isinstance(exc, yaml.YAMLError):
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or _first_line(exc)
+        name = getattr(mark, "name", None) or recipe
+        return RecipeError(f"recipe file '{name}' is not valid YAML{where}: {problem}", fix="fix the YAML syntax there")
+    if isinstance(exc, UnicodeDecodeError):
+        return RecipeError(f"a recipe file under '{config_dir}' is not UTF-8 text ({exc.reason})",
+                           fix="pass a YAML text file as the recipe")
+    detail = " ".join(str(exc).split())[:300]
+    return RecipeError(f"recipe '{recipe}' with these overrides could not be composed: {type(exc).__name__}: {detail}",
+                       fix="check the overrides named above; a group the recipe leaves null must be set in a recipe .yaml")
 
 
 def _check_override_syntax(overrides: Sequence[str]) -> None:

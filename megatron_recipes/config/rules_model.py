@@ -11,6 +11,38 @@ NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu", "squared_relu")
 POSITION_TYPES = ("rope", "learned_absolute", "none")
 ROPE_SCALING_TYPES = ("llama3", "yarn")
+# The families conversion/ has a mapping for (tests/test_hostile_recipes.py keeps the two lists equal):
+# a family without one would train and only fail at export.
+FAMILIES = ("deepseek_v3", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+SIZES = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "max_position_embeddings")
+OPTIONAL_SIZES = ("kv_channels", "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                  "sliding_window", "mtp_num_layers")
+
+
+@rule(
+    "model.sizes_positive",
+    ["model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.ffn_hidden_size",
+     "model.vocab_size", "model.max_position_embeddings", "model.kv_channels", "model.num_moe_experts"],
+    "layer count, widths, head count, vocabulary and context are >= 1 (optional sizes: null or >= 1)",
+    "set the named sizes to positive integers",
+)
+def _sizes_positive(cfg: RunConfig) -> Optional[str]:
+    m = cfg.model
+    bad = [f"model.{n}={getattr(m, n)}" for n in SIZES if getattr(m, n) < 1]
+    bad += [f"model.{n}={getattr(m, n)}" for n in OPTIONAL_SIZES if getattr(m, n) is not None and getattr(m, n) < 1]
+    if m.moe_first_dense_layers < 0:
+        bad.append(f"model.moe_first_dense_layers={m.moe_first_dense_layers}")
+    return f"{', '.join(bad)} must be >= 1 (counts >= 0)" if bad else None
+
+
+@rule(
+    "model.family",
+    ["model.family"],
+    "model.family names a family with a conversion mapping (conversion/<family>.py)",
+    f"use one of {', '.join(FAMILIES)}",
+)
+def _family(cfg: RunConfig) -> Optional[str]:
+    return one_of(cfg.model.family, FAMILIES, "model.family")
 
 
 @rule(
@@ -182,6 +214,8 @@ def _mla_latent_norms(cfg: RunConfig) -> Optional[str]:
 
 
 MODEL_RULES = [
+    _sizes_positive,
+    _family,
     _groups_divide_heads,
     _head_dim,
     _seq_within_context,
