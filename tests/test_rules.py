@@ -28,6 +28,10 @@ PP2 = ("parallel.tp=1", "parallel.pp=2")
 Case = Tuple[str, Tuple[str, ...], Tuple[str, ...]]  # recipe, failing overrides, passing overrides
 
 CASES: Dict[str, Case] = {
+    "text.control_characters": (TINY, ("run.name='a\nb'",), ("run.name='a b $(x)'",)),
+    "values.finite": (TINY, ("optimizer.lr=inf",), ("optimizer.lr=1e-3",)),
+    "model.sizes_positive": (TINY, ("model.hidden_size=0",), ("model.hidden_size=512",)),
+    "model.family": (TINY, ("model.family=gpt9",), ("model.family=qwen2",)),
     "layout.degrees_positive": (TINY, ("parallel.tp=0",), ()),
     "layout.world_factorisation": (TINY, ("cluster.gpus_per_node=3",), ()),
     "layout.expert_factorisation": (TINY, MOE + ("parallel.ep=4",), MOE + ("parallel.ep=2",)),

@@ -10,6 +10,7 @@ import os
 from typing import Sequence
 
 from megatron_recipes.config.compose import compose_recipe
+from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.launch import checks, container
 from megatron_recipes.launch.commands import PROBE_MODULE, TRAIN_MODULE, LaunchPlan, default_python
 
@@ -22,7 +23,12 @@ def build_plan(
     check_paths: bool = True,
 ) -> LaunchPlan:
     """Compose, resolve paths, validate (recipe rules + launch rules); raises ValidationError/RecipeError."""
-    cfg = compose_recipe(recipe, overrides)
+    return plan_for(compose_recipe(recipe, overrides), recipe, overrides, probe=probe, check_paths=check_paths)
+
+
+def plan_for(cfg: RunConfig, recipe: str, overrides: Sequence[str] = (), *, probe: bool = False,
+             check_paths: bool = True) -> LaunchPlan:
+    """``build_plan`` for a config already composed (``recipe``/``overrides`` are echoed in the script)."""
     cfg.run.dir = os.path.abspath(os.path.expanduser(cfg.run.dir))
     checks.validate_for_launch(cfg, recipe=recipe, check_paths=check_paths)
     mounts = container.parse_mounts(cfg.cluster.container_mounts) if cfg.cluster.container_image else []
