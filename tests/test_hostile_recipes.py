@@ -1,0 +1,67 @@
+"""The issue's probes on the recipe layer: each bad input is one RecipeError (exit 2), never a traceback
+or a silently dropped key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_recipes.config.compose import compose_recipe
+from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.config.rules_model import FAMILIES
+from megatron_recipes.config.validate import validate_or_raise
+from megatron_recipes.convert.family import all_families
+
+TINY = "tiny_llama_cpu"
+
+
+def _refused(recipe: str, overrides=()) -> str:
+    with pytest.raises(RecipeError) as info:
+        validate_or_raise(compose_recipe(recipe, list(overrides)), recipe)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"defaults:\n  - run_schema\nmodel: [\n", "not valid YAML at line"),  # syntax error
+    (b"", "is not a recipe"),  # empty
+    (b"model:\n  hidden_size: 4\n", "is not a recipe"),  # no defaults list
+    (bytes(range(256)) * 4, "not UTF-8 text"),  # binary
+])
+def test_broken_recipe_files(tmp_path, content, expected):
+    path = tmp_path / "mine.yaml"
+    path.write_bytes(content)
+    assert expected in _refused(str(path))
+
+
+def test_broken_recipe_file_exits_2_on_the_cli(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_bytes(b"a: [\n")
+    res = subprocess.run([sys.executable, "-m", "megatron_recipes.cli", "plan", str(path)], capture_output=True, text=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr and "line 2" in res.stderr
+
+
+@pytest.mark.parametrize("override", ["+train.trian_iters=5", "+model.foo=1", "+foo=1"])
+def test_unknown_keys_with_plus_are_refused(override):
+    key = override[1:].split("=")[0]
+    assert f"unknown key(s) {key}" in _refused(TINY, [override])
+
+
+def test_plus_still_adds_to_dict_fields():
+    assert compose_recipe(TINY, ["+cluster.env.MY_FLAG=1"]).cluster.env["MY_FLAG"] == "1"
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("model.hidden_size=0", "[model.sizes_positive]"),
+    ("model.num_layers=-1", "[model.sizes_positive]"),
+    ("model.rope_scaling.factor=2", "which is null in recipe"),
+    ("model.family=gpt9", "[model.family]"),
+    ("optimizer.lr=inf", "[values.finite]"),
+])
+def test_bad_values_are_refused(override, expected):
+    assert expected in _refused(TINY, [override])
+
+
+def test_family_rule_matches_the_conversion_mappings():
+    assert sorted(FAMILIES) == sorted(all_families())
