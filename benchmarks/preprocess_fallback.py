@@ -21,7 +21,7 @@ def _init_worker(tokenizer_dir: str) -> None:
     global _tokenizer
     from transformers import AutoTokenizer
 
-    _tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    _tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True, trust_remote_code=False)
 
 
 def _encode_line(line: str):
@@ -33,7 +33,7 @@ def main(corpus: str, prefix: str, tokenizer_dir: str, workers: str) -> int:
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from transformers import AutoTokenizer
 
-    vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True, trust_remote_code=False))
     builder = IndexedDatasetBuilder(prefix + "_text_document.bin", dtype=DType.optimal_dtype(vocab))
     with open(corpus, encoding="utf-8") as lines, mp.get_context("fork").Pool(
         int(workers), initializer=_init_worker, initargs=(tokenizer_dir,)

@@ -94,7 +94,9 @@ def load_tokenizer_dir(path: str | Path) -> RecipeTokenizer:
     from transformers import AutoTokenizer
 
     try:
-        hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, use_fast=True)
+        hf = AutoTokenizer.from_pretrained(
+            str(folder), local_files_only=True, use_fast=True, trust_remote_code=False  # never run auto_map code
+        )
     except Exception as exc:  # transformers raises many types (OSError, ValueError, JSON errors)
         raise RecipeError(
             f"cannot load a tokenizer from '{path}': {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",

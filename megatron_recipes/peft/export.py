@@ -345,7 +345,9 @@ def peft_logits(ckpt: Path, adapter_dir: Path, tokens: torch.Tensor, assets: Opt
     with tempfile.TemporaryDirectory(prefix=".peft-base-", dir=str(Path(adapter_dir).parent)) as tmp:
         base_dir = Path(tmp) / "base"
         run_export(Path(run_cfg.checkpoint.pretrained), base_dir, hf_assets=assets, dtype="fp32", progress=False)
-        base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32, attn_implementation="eager")
+        base = AutoModelForCausalLM.from_pretrained(
+            str(base_dir), dtype=torch.float32, attn_implementation="eager", local_files_only=True, trust_remote_code=False
+        )
         model = PeftModel.from_pretrained(base, str(adapter_dir))
         model.eval()
         with torch.no_grad():
