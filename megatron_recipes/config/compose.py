@@ -139,11 +139,13 @@ def from_yaml(path: str | Path) -> RunConfig:
     schema = OmegaConf.structured(RunConfig)
     try:
         loaded = OmegaConf.load(str(path))
-        return OmegaConf.to_object(OmegaConf.merge(schema, loaded))
+        cfg = OmegaConf.to_object(OmegaConf.merge(schema, loaded))
     except FileNotFoundError:
         raise RecipeError(f"config file '{path}' does not exist", fix="point at a run's config.yaml") from None
     except Exception as exc:
         raise RecipeError(f"config file '{path}' is not a valid recipe: {exc}", fix="regenerate it") from None
+    cfg.checkpoint.trust_code = False  # a checkpoint cannot vouch for itself: trust comes from the user only
+    return cfg
 
 
 def _missing_keys(cfg: DictConfig, prefix: str = "") -> Iterable[str]:

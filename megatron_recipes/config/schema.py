@@ -203,6 +203,9 @@ class CheckpointConfig:
     # Distributed-optimizer state on disk: fully_reshardable resumes in any TP/PP/VPP/DP/EP layout;
     # dp_reshardable saves without gathering but resumes only with the same model-parallel layout.
     optimizer_format: str = "fully_reshardable"
+    # Loading unpickles only what a checkpoint needs (tensors, plain values, the index records); true lifts
+    # that for checkpoints you made or trust, whose pickled objects may then run code (SECURITY.md).
+    trust_code: bool = False
 
 
 @dataclass

@@ -7,12 +7,16 @@ export  ckpt_dir=<checkpoint or checkpoints root> hf_dir=<new folder> [dtype=bf1
         (a PEFT run's checkpoint exports merged weights, or with adapter_only=true an HF PEFT adapter folder)
 verify  hf_dir=<HF folder> ckpt_dir=<checkpoint> [parallel.*=...] [tolerance=1e-4]
 
+Checkpoints are read without running code from them; --trust-checkpoint lifts that for a checkpoint you
+trust whose files hold other pickled objects (see SECURITY.md).
+
 import and export compare logits against the HF side automatically for models up to 500M parameters
 (``--verify`` forces it, ``--no-verify`` skips it); verify exits non-zero beyond the tolerance.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -22,7 +26,8 @@ from megatron_recipes.config.errors import RecipeError
 
 PROG = "megatron-recipes convert"
 ACTIONS = ("import", "export", "verify")
-_FLAGS = {"verify": False, "no-verify": False, "overwrite": False, "quiet": False, "help": False}
+_FLAGS = {"verify": False, "no-verify": False, "overwrite": False, "quiet": False, "help": False,
+          "trust-checkpoint": False}
 
 
 def _options(overrides: List[str], prog: str, allowed: Dict[str, Optional[str]]):
@@ -149,6 +154,10 @@ def main(argv: List[str]) -> int:
     handler = {"import": _import, "export": _export, "verify": _verify}[action]
     if action == "verify" and (args.flags.get("overwrite") or args.flags.get("no-verify")):
         raise RecipeError(f"{PROG} verify takes no --overwrite/--no-verify", fix="drop the flag")
+    if args.flags.get("trust-checkpoint"):  # let its pickled objects run code: only for checkpoints you trust
+        from megatron_recipes.training.checkpoint_trust import TRUST_ENV
+
+        os.environ[TRUST_ENV] = "1"
     return handler(args.overrides, args.flags)
 
 

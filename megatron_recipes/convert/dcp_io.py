@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.convert.target import Item
+from megatron_recipes.training.checkpoint_trust import restricted_loading
 
 Produce = Callable[[Item], torch.Tensor]
 
@@ -156,7 +157,8 @@ class _CachedReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args, **kwargs):
         if self._metadata is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
+            with restricted_loading():  # .metadata is a pickle: only the index record classes (SECURITY.md)
+                self._metadata = super().read_metadata(*args, **kwargs)
         return self._metadata
 
 

@@ -26,6 +26,7 @@ from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.training import checkpoint_identity as identity
 from megatron_recipes.training import checkpoint_io as io
 from megatron_recipes.training import checkpoint_store as store
+from megatron_recipes.training.checkpoint_trust import find_refusal, restricted_loading
 
 log = logging.getLogger(__name__)
 
@@ -238,11 +239,19 @@ def _read(sharded: Dict[str, Any], ckpt: Path) -> Dict[str, Any]:
     except RecipeError:
         raise
     except (Exception, CheckpointException) as exc:
+        refusal = find_refusal(exc)  # a file that would run code: say so, not "damaged"
+        if refusal is not None:
+            raise refusal from None
         raise RecipeError(
             f"checkpoint '{ckpt}' could not be read ({type(exc).__name__}: {str(exc).strip()[:400]})",
             fix="the checkpoint is damaged or was copied incompletely; use another one (e.g. the previous "
             "iteration). The model in memory may be partly loaded: start again rather than train on",
         ) from exc
+
+
+def _trust(cfg: Optional[RunConfig]) -> bool:
+    """``checkpoint.trust_code``: the user vouches for this checkpoint's pickled objects."""
+    return bool(cfg is not None and cfg.checkpoint.trust_code)
 
 
 def _load_models(model_chunks: List[torch.nn.Module], loaded: Dict[str, Any]) -> None:
@@ -306,9 +315,9 @@ def load_checkpoint(
         sharded["optimizer"] = io.optimizer_state(optimizer, dict(sharded), metadata, is_loading=True)
     if same_ranks and contents.get("rng"):
         sharded[io.RNG_KEY] = io.rng_object()
-    _check_before_tensors(sharded, ckpt)
-
-    loaded = _read(sharded, ckpt)
+    with restricted_loading(_trust(cfg)):
+        _check_before_tensors(sharded, ckpt)
+        loaded = _read(sharded, ckpt)
     _load_models(model_chunks, loaded)
     if optimizer is not None:
         saved_parts, parts_now = int(contents.get("optimizer_parts") or 1), io.optimizer_parts(optimizer)
@@ -332,8 +341,10 @@ def load_weights(path: Path, model_chunks: List[torch.nn.Module], cfg: RunConfig
     ckpt = _resolve_everywhere(path)
     identity.check_same_model(store.read_meta(ckpt), cfg, ckpt)
     sharded = io.model_state(model_chunks, io.sharded_metadata(None))
-    _check_before_tensors(sharded, ckpt)
-    _load_models(model_chunks, _read(sharded, ckpt))
+    with restricted_loading(_trust(cfg)):
+        _check_before_tensors(sharded, ckpt)
+        loaded = _read(sharded, ckpt)
+    _load_models(model_chunks, loaded)
 
 
 def resolve_load(cfg: RunConfig) -> Optional[Path]:

@@ -300,8 +300,12 @@ def tensor_mismatches(sharded_sd: Dict[str, Any], directory: Path, limit: int = 
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 
+    from megatron_recipes.training.checkpoint_trust import UntrustedCheckpoint
+
     try:
         stored = dist_checkpointing.load_tensors_metadata(str(directory))
+    except UntrustedCheckpoint:
+        raise
     except Exception as exc:  # a torn or foreign .metadata file: report instead of a stack of internals
         return [f"its tensor index (.metadata) cannot be read: {exc}"]
     requested, _, _ = load_preprocess(sharded_sd)  # works on a copy: factories applied, data untouched
