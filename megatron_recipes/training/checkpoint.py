@@ -73,6 +73,9 @@ def _on_rank0(what: str, fn: Callable[[], T]) -> Optional[T]:
     return outcome[0]
 
 
+on_rank0 = _on_rank0  # public for the loop's other rank-0 decisions (the run.dir lock)
+
+
 def _is_distributed_optimizer(optimizer) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 

@@ -20,7 +20,7 @@ from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.models import capabilities, fusions
 from megatron_recipes.runtime import distributed, versions
-from megatron_recipes.training import checkpoint, checkpoint_store, checkpointing, metrics, optim, sinks, step
+from megatron_recipes.training import checkpoint, checkpoint_store, checkpointing, metrics, optim, run_lock, sinks, step
 from megatron_recipes.training.preemption import PreemptionWatcher
 
 
@@ -342,9 +342,16 @@ def run(cfg: RunConfig, recipe: str = "recipe") -> int:
     """Train ``cfg`` on this rank (called once per rank, under torchrun or as a single process)."""
     validate(cfg, recipe)
     runtime = distributed.init_model_parallel(cfg)
-    trainer = Trainer(cfg, runtime)
+    lock = run_lock.RunLock(Path(cfg.run.dir))  # global rank 0 holds it; every rank stops if it is taken
     try:
-        return trainer.fit()
+        took_over = checkpoint.on_rank0("locking run.dir", lambda: lock.acquire().took_over)
+        if took_over and runtime.rank == 0:
+            print(f"run.dir: {took_over}", flush=True)
+        trainer = Trainer(cfg, runtime)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
+        lock.release()
         distributed.shutdown()
