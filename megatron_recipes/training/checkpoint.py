@@ -137,6 +137,7 @@ def _meta(step: int, cfg: RunConfig, n_chunks: int, optimizer, scheduler, fmt: O
             "model_chunks": n_chunks,
             "optimizer": optimizer is not None,
             "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
+            "optimizer_name": cfg.optimizer.name if optimizer is not None else None,
             "optimizer_format": fmt,
             "optimizer_parts": io.optimizer_parts(optimizer) if optimizer is not None else 0,
             "scheduler": scheduler is not None,
@@ -252,6 +253,25 @@ def _read(sharded: Dict[str, Any], ckpt: Path) -> Dict[str, Any]:
         ) from exc
 
 
+def _check_same_optimizer(contents: Dict[str, Any], ckpt: Path, cfg: RunConfig) -> None:
+    """Adam moments cannot become SGD momentum (nor the reverse): say so instead of megatron-core's traceback."""
+    saved = contents.get("optimizer_name")
+    if saved is None:  # checkpoints from before meta.json recorded it: their config.yaml says it
+        try:
+            from omegaconf import OmegaConf
+
+            saved = OmegaConf.select(OmegaConf.load(str(ckpt / store.CONFIG)), "optimizer.name")
+        except Exception:  # noqa: BLE001 (no readable config: the load's own checks speak)
+            return
+    if saved and saved != cfg.optimizer.name:
+        raise RecipeError(
+            f"checkpoint '{ckpt}' holds {saved} optimizer state, but this run uses optimizer.name="
+            f"{cfg.optimizer.name}; one cannot be resumed as the other",
+            fix=f"resume with optimizer={saved}, or start from its weights with checkpoint.pretrained={ckpt} "
+            "checkpoint.load=none (the optimizer and LR schedule then start fresh)",
+        )
+
+
 def _trust(cfg: Optional[RunConfig]) -> bool:
     """``checkpoint.trust_code``: the user vouches for this checkpoint's pickled objects."""
     return bool(cfg is not None and cfg.checkpoint.trust_code)
@@ -291,6 +311,8 @@ def load_checkpoint(
             f"checkpoint '{ckpt}' holds weights only (no optimizer state), so training cannot resume from it",
             fix="start from its weights with checkpoint.pretrained=<path> and checkpoint.load=none",
         )
+    if optimizer is not None and cfg is not None:
+        _check_same_optimizer(contents, ckpt, cfg)
     if scheduler is not None and not contents.get("scheduler"):
         raise RecipeError(f"checkpoint '{ckpt}' has no LR scheduler state", fix="load it with checkpoint.pretrained")
     saved_layout, now = meta.get("layout", {}), _runtime_layout(cfg)

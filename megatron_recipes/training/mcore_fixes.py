@@ -12,7 +12,13 @@ of the distributed optimizer do not expect that:
    copies every key of the live state, ``step`` included: ``KeyError: 'step'``. We keep the ``step``
    that ``load_state_dict`` has just restored.
 
-Both are applied by ``training.optim.build_optimizer``; each is a no-op where the bug cannot occur.
+3. For SGD, ``get_megatron_optimizer`` sets ``init_state_fn = None``, but loading a checkpoint calls it
+   (``sharded_state_dict(is_loading=True)``): ``TypeError: 'NoneType' object is not callable``, so an
+   SGD run could not resume (nor requeue after preemption). We give it one that creates the momentum
+   buffers the checkpoint then overwrites (zeros: with dampening 0, torch's first-step ``clone(grad)``
+   equals ``momentum * 0 + grad``; with momentum 0 torch keeps no state at all).
+
+All are applied by ``training.optim.build_optimizer``; each is a no-op where the bug cannot occur.
 """
 
 from __future__ import annotations
@@ -58,3 +64,20 @@ def keep_step_on_reshardable_load() -> None:
 
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
     _PATCHED = True
+
+
+def _init_sgd_state(opt, config=None) -> None:
+    for group in opt.param_groups:
+        if not group.get("momentum"):
+            continue
+        for param in group["params"]:
+            state = opt.state[param]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def sgd_state_for_loading(optimizer) -> None:
+    """Fix 3: an ``init_state_fn`` for megatron-core's SGD, which has none."""
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if isinstance(getattr(part, "optimizer", None), torch.optim.SGD) and getattr(part, "init_state_fn", 0) is None:
+            part.init_state_fn = _init_sgd_state

@@ -127,6 +127,7 @@ def build_optimizer(cfg: RunConfig, model: List[torch.nn.Module]):
 
     optimizer = get_megatron_optimizer(optimizer_config(cfg), model)
     mcore_fixes.allocate_torch_adam_state(optimizer)
+    mcore_fixes.sgd_state_for_loading(optimizer)
     mcore_fixes.keep_step_on_reshardable_load()
     return optimizer
 
