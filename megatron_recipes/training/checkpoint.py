@@ -201,7 +201,19 @@ def save_checkpoint(
     sharded[io.RNG_KEY] = io.rng_object(io.capture_rng())
     sharded["state"] = dict(state)
     content = {k: v for k, v in metadata.items() if isinstance(v, (str, int, float, bool))}
-    io.save(sharded, store.staging_dir(root, step), content_metadata=content)
+    try:
+        io.save(sharded, store.staging_dir(root, step), content_metadata=content)
+    except BaseException as exc:
+        if not io.disk_full(exc):
+            raise
+        _on_rank0("removing the partial checkpoint", lambda: store.clean_leftovers(root))
+        latest = store.find_latest(root)
+        raise RecipeError(
+            f"disk full at {store.staging_dir(root, step)}, the last complete checkpoint is "
+            f"{latest.name if latest is not None else 'none (no checkpoint was completed yet)'}",
+            fix="free space there (or lower checkpoint.keep_last) and start the run again: it resumes from that "
+            "checkpoint; the partial folder has been removed",
+        ) from None
 
     meta = _meta(step, cfg, n_chunks, optimizer, scheduler, fmt)
     _on_rank0("finishing the checkpoint", lambda: _finish(root, step, meta, cfg, keep_last))
@@ -253,25 +265,6 @@ def _read(sharded: Dict[str, Any], ckpt: Path) -> Dict[str, Any]:
         ) from exc
 
 
-def _check_same_optimizer(contents: Dict[str, Any], ckpt: Path, cfg: RunConfig) -> None:
-    """Adam moments cannot become SGD momentum (nor the reverse): say so instead of megatron-core's traceback."""
-    saved = contents.get("optimizer_name")
-    if saved is None:  # checkpoints from before meta.json recorded it: their config.yaml says it
-        try:
-            from omegaconf import OmegaConf
-
-            saved = OmegaConf.select(OmegaConf.load(str(ckpt / store.CONFIG)), "optimizer.name")
-        except Exception:  # noqa: BLE001 (no readable config: the load's own checks speak)
-            return
-    if saved and saved != cfg.optimizer.name:
-        raise RecipeError(
-            f"checkpoint '{ckpt}' holds {saved} optimizer state, but this run uses optimizer.name="
-            f"{cfg.optimizer.name}; one cannot be resumed as the other",
-            fix=f"resume with optimizer={saved}, or start from its weights with checkpoint.pretrained={ckpt} "
-            "checkpoint.load=none (the optimizer and LR schedule then start fresh)",
-        )
-
-
 def _trust(cfg: Optional[RunConfig]) -> bool:
     """``checkpoint.trust_code``: the user vouches for this checkpoint's pickled objects."""
     return bool(cfg is not None and cfg.checkpoint.trust_code)
@@ -312,7 +305,7 @@ def load_checkpoint(
             fix="start from its weights with checkpoint.pretrained=<path> and checkpoint.load=none",
         )
     if optimizer is not None and cfg is not None:
-        _check_same_optimizer(contents, ckpt, cfg)
+        identity.check_same_optimizer(contents, ckpt, cfg)
     if scheduler is not None and not contents.get("scheduler"):
         raise RecipeError(f"checkpoint '{ckpt}' has no LR scheduler state", fix="load it with checkpoint.pretrained")
     saved_layout, now = meta.get("layout", {}), _runtime_layout(cfg)

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any, Dict, List
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
+
+CONFIG_NAME = "config.yaml"  # checkpoint_store.CONFIG (the store imports nothing from here)
 
 # Labels, not architecture: the same weights may be published under another name or family.
 _LABELS = {"name", "family"}
@@ -142,3 +145,22 @@ def same_ranks(saved: Dict[str, Any], current: Dict[str, Any]) -> bool:
     return not model_parallel_changed(saved, current) and saved.get("dp") == current.get("dp") and saved.get(
         "world_size"
     ) == current.get("world_size")
+
+
+def check_same_optimizer(contents: Dict[str, Any], ckpt: Path, cfg: RunConfig) -> None:
+    """Adam moments cannot become SGD momentum (nor the reverse): say so instead of megatron-core's traceback."""
+    saved = contents.get("optimizer_name")
+    if saved is None:  # checkpoints from before meta.json recorded it: their config.yaml says it
+        try:
+            from omegaconf import OmegaConf
+
+            saved = OmegaConf.select(OmegaConf.load(str(ckpt / CONFIG_NAME)), "optimizer.name")
+        except Exception:  # noqa: BLE001 (no readable config: the load's own checks speak)
+            return
+    if saved and saved != cfg.optimizer.name:
+        raise RecipeError(
+            f"checkpoint '{ckpt}' holds {saved} optimizer state, but this run uses optimizer.name="
+            f"{cfg.optimizer.name}; one cannot be resumed as the other",
+            fix=f"resume with optimizer={saved}, or start from its weights with checkpoint.pretrained={ckpt} "
+            "checkpoint.load=none (the optimizer and LR schedule then start fresh)",
+        )

@@ -23,6 +23,7 @@ anyone use it) still gets its Manager queue. psutil is checked up front with a c
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import queue
 import random
@@ -326,6 +327,28 @@ def all_ranks(items: List[str]) -> List[str]:
     gathered: List[Optional[List[str]]] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, items)
     return sorted({item for rank_items in gathered for item in (rank_items or [])})
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and everything behind it: causes, contexts, and the per-rank failures torch DCP wraps."""
+    seen, stack = set(), [exc]
+    while stack:
+        item = stack.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        yield item
+        stack += [item.__cause__, item.__context__]
+        for failure in (getattr(item, "failures", None) or {}).values():  # rank -> (exception, stack)
+            stack.append(failure[0] if isinstance(failure, tuple) and failure else failure)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether a save failed for lack of space (or quota), wherever in megatron-core/torch it surfaced."""
+    return any(
+        (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or "No space left on device" in str(e)
+        for e in causes(exc)
+    )
 
 
 def megatron_core_version() -> str:

@@ -240,6 +240,17 @@ def prune(root: Path, keep_last: int) -> List[Path]:
         for _, path in complete[:-keep_last]:
             _remove(path)
             removed.append(path)
+    return removed + clean_leftovers(root)
+
+
+def clean_leftovers(root: Path) -> List[Path]:
+    """Remove staging and half-deleted folders of saves that did not finish (killed, disk full).
+
+    Safe only while no save of this run is in progress: the trainer calls it holding the run.dir lock."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
     for child in root.iterdir():
         if child.is_dir() and child.name.endswith((STAGING_SUFFIX, DELETING_SUFFIX)):
             _remove(child)

@@ -136,16 +136,6 @@ def restricted_loading(trust: bool = False) -> Iterator[None]:
 
 def find_refusal(exc: BaseException) -> Optional[UntrustedCheckpoint]:
     """Our refusal, if it is inside ``exc`` (torch DCP wraps per-rank failures in a CheckpointException)."""
-    seen = set()
-    stack = [exc]
-    while stack:
-        item = stack.pop()
-        if item is None or id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, UntrustedCheckpoint):
-            return item
-        stack += [item.__cause__, item.__context__]
-        for failure in (getattr(item, "failures", None) or {}).values():  # rank -> (exception, stack)
-            stack.append(failure[0] if isinstance(failure, tuple) and failure else failure)
-    return None
+    from megatron_recipes.training.checkpoint_io import causes
+
+    return next((e for e in causes(exc) if isinstance(e, UntrustedCheckpoint)), None)

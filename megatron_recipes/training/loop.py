@@ -347,6 +347,10 @@ def run(cfg: RunConfig, recipe: str = "recipe") -> int:
         took_over = checkpoint.on_rank0("locking run.dir", lambda: lock.acquire().took_over)
         if took_over and runtime.rank == 0:
             print(f"run.dir: {took_over}", flush=True)
+        # Saves that never finished (killed, disk full) are this run's own leftovers: the lock says no
+        # other run is writing here.
+        checkpoint.on_rank0("cleaning unfinished saves",
+                            lambda: checkpoint_store.clean_leftovers(checkpoint.checkpoints_root(cfg)))
         trainer = Trainer(cfg, runtime)
         try:
             return trainer.fit()
