@@ -201,7 +201,23 @@ class CheckpointReader:
         return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
     def read(self, item: Item, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """The tensor of one item (index axes dropped), in ``dtype`` or as stored."""
+        """The tensor of one item (index axes dropped), in ``dtype`` or as stored; a damaged file is a
+        RecipeError naming the tensor and the cause (not torch's per-rank tracebacks)."""
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+        from megatron_recipes.training.checkpoint_io import root_cause
+
+        try:
+            return self._read(item, dtype)
+        except RecipeError:
+            raise
+        except (Exception, CheckpointException) as exc:
+            raise RecipeError(
+                f"checkpoint '{self.directory}' could not be read at tensor {item.key} ({root_cause(exc)})",
+                fix="the checkpoint is damaged or was copied incompletely; use another one (or copy it again)",
+            ) from None
+
+    def _read(self, item: Item, dtype: Optional[torch.dtype]) -> torch.Tensor:
         stored = self.tensors()[item.key]
         whole = self._whole_chunk(item)
         if whole is not None:

@@ -22,7 +22,12 @@ def load_hf_config(hf_dir: Path):
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise RecipeError(f"{hf_dir} has no config.json", fix="point hf_dir= at a Hugging Face model folder")
-    raw = json.loads(path.read_text())
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise RecipeError(f"{path} is not valid JSON ({exc})", fix="restore the model's config.json (re-download or re-save it)") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path} holds a JSON {type(raw).__name__}, not an object", fix="restore the model's config.json")
     model_type = raw.get("model_type")
     try:
         return AutoConfig.from_pretrained(str(hf_dir), trust_remote_code=False, local_files_only=True)

@@ -44,6 +44,8 @@ def parse_parallel(options: Dict[str, str], prog: str) -> ParallelConfig:
             values[name] = int(raw)
         except ValueError:
             raise RecipeError(f"{prog}: {key}={raw!r} is not an integer", fix=f"e.g. {key}=2") from None
+        if values[name] < 1:
+            raise RecipeError(f"{prog}: {key}={raw} must be >= 1 (a parallel degree)", fix=f"e.g. {key}=2, or leave it out for 1")
     return ParallelConfig(**values)
 
 

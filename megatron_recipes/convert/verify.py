@@ -205,6 +205,27 @@ def verify_layout(saved: Dict[str, object], requested: Optional[ParallelConfig])
     return p if layouts.min_world_size(p) <= max_local_ranks() else ParallelConfig()
 
 
+SAME_MODEL_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                     "vocab_size", "num_moe_experts", "moe_ffn_hidden_size", "tie_embeddings")
+
+
+def check_same_model(hf_dir: Path, cfg: RunConfig, ckpt: Path) -> None:
+    """The HF folder and the checkpoint describe the same architecture (else logits cannot be compared)."""
+    from megatron_recipes.convert import family as families
+    from megatron_recipes.convert.hf_config import load_hf_config
+
+    hf = load_hf_config(hf_dir)
+    fam = families.by_architecture(getattr(hf, "architectures", None), getattr(hf, "model_type", None))
+    fields = dict(fam.config_from_hf(hf), family=fam.name)
+    diffs = [f"{k}: HF {fields[k]}, checkpoint {getattr(cfg.model, k)}" for k in SAME_MODEL_FIELDS
+             if k in fields and fields[k] != getattr(cfg.model, k)]
+    if diffs:
+        raise RecipeError(
+            f"{hf_dir} and {ckpt} are different models ({'; '.join(diffs)})",
+            fix="verify a checkpoint against the HF folder it was imported from (or exported to)",
+        )
+
+
 def run_verify(hf_dir: Path, ckpt: Path, parallel: Optional[ParallelConfig] = None, tolerance: float = TOLERANCE) -> Metrics:
     """Compare ``hf_dir`` and ``ckpt`` logits at a layout; prints the table, raises RecipeError beyond tolerance."""
     from megatron_recipes.training import checkpoint_store as store
@@ -219,6 +240,7 @@ def run_verify(hf_dir: Path, ckpt: Path, parallel: Optional[ParallelConfig] = No
             fix="pass a smaller layout, e.g. parallel.tp=1 parallel.pp=1",
         )
     cfg = checkpoint_config(resolved, layout, world)
+    check_same_model(Path(hf_dir), cfg, resolved)
     tokens = prompt_tokens(cfg.model.vocab_size)
     reference = hf_logits(Path(hf_dir), tokens)
     with tempfile.TemporaryDirectory(prefix="mr-verify-") as tmp:

@@ -259,7 +259,7 @@ def _read(sharded: Dict[str, Any], ckpt: Path) -> Dict[str, Any]:
         if refusal is not None:
             raise refusal from None
         raise RecipeError(
-            f"checkpoint '{ckpt}' could not be read ({type(exc).__name__}: {str(exc).strip()[:400]})",
+            f"checkpoint '{ckpt}' could not be read ({io.root_cause(exc)})",
             fix="the checkpoint is damaged or was copied incompletely; use another one (e.g. the previous "
             "iteration). The model in memory may be partly loaded: start again rather than train on",
         ) from exc

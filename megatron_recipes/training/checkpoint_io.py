@@ -343,6 +343,18 @@ def causes(exc: BaseException) -> Iterator[BaseException]:
             stack.append(failure[0] if isinstance(failure, tuple) and failure else failure)
 
 
+def root_cause(exc: BaseException) -> str:
+    """One line for a failed read or write: the innermost error's type and first line, no stack.
+
+    torch DCP's CheckpointException puts every rank's traceback into its message; users need the cause."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    inner = [e for e in causes(exc) if not isinstance(e, CheckpointException)] or [exc]
+    chosen = inner[-1]
+    lines = [ln.strip() for ln in str(chosen).splitlines() if ln.strip()]
+    return f"{type(chosen).__name__}: {lines[0][:300]}" if lines else f"{type(chosen).__name__} (the file ends early or is damaged)"
+
+
 def disk_full(exc: BaseException) -> bool:
     """Whether a save failed for lack of space (or quota), wherever in megatron-core/torch it surfaced."""
     return any(

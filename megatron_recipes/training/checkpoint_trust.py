@@ -44,6 +44,7 @@ _INDEX_MODULES = {
 _EXTRA = {
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
     ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # StorageMeta.checkpoint_id of a path-given save
 }
 
 
