@@ -176,10 +176,13 @@ def _unknown_keys(cfg: DictConfig, prefix: str = "") -> Iterable[str]:
 def _override_under_null(recipe: str, overrides: Sequence[str]) -> RecipeError:
     """Name the override whose parent group is null in the recipe (found by composing without it)."""
     keys = [ov.lstrip("+~").split("=", 1)[0] for ov in overrides if not ov.startswith("hydra.")]
-    try:
-        base = compose_dict(recipe, [ov for ov in overrides if ov.startswith("hydra.") or "." not in ov.split("=", 1)[0]])
-    except RecipeError:
-        base = None
+    groups_only = [ov for ov in overrides if ov.startswith("hydra.") or "." not in ov.split("=", 1)[0]]
+    base = None
+    if len(groups_only) < len(overrides):  # else composing them again would fail the same way
+        try:
+            base = compose_dict(recipe, groups_only)
+        except RecipeError:
+            pass
     for key in keys:
         parts = key.split(".")
         for i in range(1, len(parts)):
