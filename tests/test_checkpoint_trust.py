@@ -99,6 +99,10 @@ def test_converter_reader_refuses_a_crafted_index(tmp_path, monkeypatch):
     with pytest.raises(RecipeError, match=r"refusing to load .*\.metadata.*(io|builtins)\.open"):
         CheckpointReader(tmp_path / "ckpt").tensors()
     assert not sentinel.exists()
+    monkeypatch.setenv(TRUST_ENV, "1")  # what `convert --trust-checkpoint` sets: the payload now runs
+    with pytest.raises(Exception):  # noqa: B017 (the planted object is not an index; any failure after it ran)
+        CheckpointReader(tmp_path / "ckpt").tensors()
+    assert sentinel.exists()
 
 
 def test_a_checkpoints_own_config_cannot_grant_trust(tmp_path):
