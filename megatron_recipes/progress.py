@@ -49,8 +49,8 @@ class Progress:
         items_unit: str = "",
         enabled: bool = True,
         stream: Optional[TextIO] = None,
-        interval: float = INTERVAL_S,
-        delay: float = DELAY_S,
+        interval: Optional[float] = None,
+        delay: Optional[float] = None,
         clock: Callable[[], float] = time.monotonic,
         tty: Optional[bool] = None,
     ) -> None:
@@ -59,7 +59,9 @@ class Progress:
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr
         self.tty = self.stream.isatty() if tty is None else tty
-        self.interval, self.delay, self.clock = interval, delay, clock
+        self.interval = INTERVAL_S if interval is None else interval
+        self.delay = DELAY_S if delay is None else delay
+        self.clock = clock
         self.done, self.items = 0.0, 0
         self.start = clock()
         self.last_line: Optional[float] = None

@@ -32,11 +32,11 @@ def cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, cache):
-    """One rank, 12 steps, TensorBoard + W&B (offline) + MLflow (local file store) all on."""
+    """One rank, 12 steps, TensorBoard + W&B (offline) + MLflow (local SQLite store) all on."""
     for module in ("tensorboard", "wandb", "mlflow"):
         pytest.importorskip(module, reason=f"{module} is part of the test extra (pip install -e '.[test]')")
     root = tmp_path_factory.mktemp("tracked")
-    uri = (root / "mlruns").as_uri()
+    uri = f"sqlite:///{root / 'mlflow.db'}"
     run = ts.train(root / "run", cache, *RUN, "logging.tensorboard=true", "logging.wandb_project=recipes-test",
                    f"logging.mlflow_tracking_uri={uri}", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"}).check()
     return run, uri

@@ -14,18 +14,40 @@ def tensorboard_scalars(folder: Path, key: str) -> List[Tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars(key)]
 
 
+def wandb_log_records(path: Path) -> List[bytes]:
+    """The records of a ``.wandb`` transaction log: a 7-byte header (``:W&B``, magic, version), then
+    LevelDB's log format (32 KiB blocks of chunks: crc32, little-endian length, type FULL/FIRST/MIDDLE/LAST)."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    records, parts, pos = [], b"", 7
+    while pos + 7 <= len(data):
+        left_in_block = 32768 - pos % 32768
+        if left_in_block < 7:  # block trailer: padding
+            pos += left_in_block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if kind == 0 and length == 0:
+            break
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 1:
+            records.append(chunk)
+        elif kind in (2, 3):
+            parts = (b"" if kind == 2 else parts) + chunk
+        elif kind == 4:
+            records.append(parts + chunk)
+    return records
+
+
 def wandb_records(run_dir: Path) -> Tuple[Dict[int, Dict[str, str]], Dict[str, str], List[str]]:
     """(history by step, config, tags) from the single offline run under ``run_dir/wandb``."""
     from wandb.proto import wandb_internal_pb2
-    from wandb.sdk.internal.datastore import DataStore
 
     (path,) = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    ds = DataStore()
-    ds.open_for_scan(str(path))
     history: Dict[int, Dict[str, str]] = {}
     config: Dict[str, str] = {}
     tags: List[str] = []
-    while (data := ds.scan_data()) is not None:
+    for data in wandb_log_records(path):
         rec = wandb_internal_pb2.Record()
         rec.ParseFromString(data)
         kind = rec.WhichOneof("record_type")
@@ -35,7 +57,8 @@ def wandb_records(run_dir: Path) -> Tuple[Dict[int, Dict[str, str]], Dict[str, s
         elif kind == "config":
             config.update({i.key: i.value_json for i in rec.config.update})
         elif kind == "run":
-            tags = list(rec.run.tags)
+            tags = list(rec.run.tags) or tags
+            config.update({i.key: i.value_json for i in rec.run.config.update})
     return history, config, tags
 
 

@@ -201,7 +201,7 @@ class Guarded:
                     self.on_started()
             except Exception as exc:  # any failure of an optional tracker: say it once, keep training
                 self.failed = True
-                warn(f"{self.label} logging failed ({type(exc).__name__}: {str(exc)[:300]}); "
+                warn(f"{self.label} logging failed ({type(exc).__name__}: {str(exc)[:800]}); "
                      f"{self.label} is off for the rest of this run, training goes on")
 
     def log(self, step: int, values: Dict[str, float]) -> None:
