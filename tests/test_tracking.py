@@ -137,8 +137,10 @@ class _Blocking:
         pass
 
     def log(self, step, values):
+        if self.first_done.is_set():
+            return
         self.inside.set()
-        self.gate.wait(timeout=30)
+        self.gate.wait(timeout=10)  # a synchronous sink would hold the caller here
         self.first_done.set()
 
     def finish(self, *args):
