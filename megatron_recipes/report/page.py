@@ -90,7 +90,7 @@ def curves(run: RunData) -> str:
         line_chart("learning rate", [("lr", run.series("lr"))], "lr"),
         line_chart("gradient norm", [("grad norm", run.series("grad_norm"))], "L2 norm"),
         line_chart("throughput", [("tokens/s", run.series("tokens_per_sec"))], "tokens/s (all ranks)"),
-        line_chart("memory", [("peak memory, max over ranks", run.series("peak_mem_gib"))], "GiB"),
+        line_chart("memory", [("peak, max over ranks", run.series("peak_mem_gib"))], "GiB"),
         line_chart("step time", [("step time", run.series("step_time_s"))], "seconds"),
     ]
     return f'<div class="charts">{"".join(charts)}</div>'

@@ -313,6 +313,8 @@ class Trackers:
     def save_ids(self) -> None:
         """The trackers' run ids (called from their threads once started), for a resumed run."""
         with self._lock:
+            if not self.ids:  # TensorBoard has no run id
+                return
             tmp = self.run_dir / f".tmp-{IDS_NAME}"
             tmp.write_text(json.dumps(self.ids, indent=2) + "\n", encoding="utf-8")
             os.replace(tmp, self.run_dir / IDS_NAME)
