@@ -174,3 +174,22 @@ def test_blocked_tracker_does_not_hold_up_the_caller(tmp_path):
     blocking.gate.set()
     t.close(finished=True)
     assert blocking.first_done.is_set()
+
+
+def test_a_resumed_run_continues_the_same_mlflow_run(tmp_path):
+    pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy", reason="MLflow's SQL store needs sqlalchemy and alembic (the tracking extra)")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = _cfg(tmp_path, f"logging.mlflow_tracking_uri={uri}")
+    first = sinks.MetricsLog(tmp_path, 0, cfg)
+    for step in (1, 2, 3):
+        first.log(step, STEPS[step])
+    first.close()  # preempted after step 3, checkpoint at step 2
+    client, run = ts_.mlflow_run(uri, "tiny_llama_cpu")
+    assert run.info.status == "KILLED"
+    again = sinks.MetricsLog(tmp_path, 2, cfg)
+    again.log(3, {"loss": 6.4})
+    again.close(finished=True)
+    client, run = ts_.mlflow_run(uri, "tiny_llama_cpu")  # still one run in the experiment
+    assert run.info.status == "FINISHED"
+    assert [s for s, _ in ts_.mlflow_history(uri, "tiny_llama_cpu", "loss")] == [1, 2, 3, 3]

@@ -85,8 +85,10 @@ def summary(run: RunData) -> str:
 
 
 def curves(run: RunData) -> str:
+    entropy = run.starts[-1].get("unigram_entropy_nats") if run.starts else None  # what a context-blind model reaches
     charts = [
-        line_chart("loss", [("train loss", run.series("loss")), ("validation loss", run.series("val_loss"))], "nats/token"),
+        line_chart("loss", [("train loss", run.series("loss")), ("validation loss", run.series("val_loss"))], "nats/token",
+                   ("unigram entropy", entropy) if isinstance(entropy, (int, float)) else None),
         line_chart("learning rate", [("lr", run.series("lr"))], "lr"),
         line_chart("gradient norm", [("grad norm", run.series("grad_norm"))], "L2 norm"),
         line_chart("throughput", [("tokens/s", run.series("tokens_per_sec"))], "tokens/s (all ranks)"),
