@@ -151,5 +151,5 @@ def test_report_renders_in_headless_chromium(trained, tmp_path):
     import matplotlib.image
 
     pixels = (matplotlib.image.imread(str(shot))[..., :3] * 255).round().astype(int)
-    blue = ((abs(pixels - TRAIN_BLUE)).sum(axis=-1) <= 30).sum()
-    assert blue > 300, f"the train-loss curve is not visible in the screenshot ({blue} pixels of its colour)"
+    blue = ((abs(pixels - TRAIN_BLUE)).sum(axis=-1) <= 6).sum()  # no other part of the page uses this colour
+    assert blue > 1000, f"the curves are not visible in the screenshot ({blue} pixels of the series colour)"

@@ -21,7 +21,7 @@ CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;color:#1d232a;background:#f6f7f9}
 header{background:#1d232a;color:#fff;padding:14px 28px}header h1{margin:0;font-size:22px}
 header p{margin:4px 0 0;color:#c9d1d9;font-size:14px}nav{padding:8px 28px;background:#e8ebef;font-size:14px}
-nav a{margin-right:14px;color:#1f6fb5;text-decoration:none}main{padding:8px 28px 40px}
+nav a{margin-right:14px;color:#0b4f8a;text-decoration:none}main{padding:8px 28px 40px}
 section{background:#fff;border:1px solid #dde1e6;border-radius:6px;margin:16px 0;padding:8px 18px 16px}
 h2{font-size:18px;margin:10px 0}table{border-collapse:collapse;font-size:13px;margin:6px 0}
 td,th{border:1px solid #dde1e6;padding:3px 8px;text-align:left;vertical-align:top}th{background:#f0f2f5}
