@@ -109,16 +109,15 @@ class Progress:
     def _bar_update(self) -> None:
         if self.bar is None:
             from rich.console import Console
-            from rich.progress import BarColumn, Progress as RichProgress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
 
             self.bar = RichProgress(
-                TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
-                TextColumn("{task.fields[detail]}"), TimeRemainingColumn(),
+                TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[detail]}"), TimeRemainingColumn(),
                 console=Console(file=self.stream, force_terminal=True), transient=False,
             )
             self.bar.start()
             self.task = self.bar.add_task(self.desc, total=self.total, detail="")
-        detail = self.line().split(": ", 1)[1]
+        detail = self.line()[len(self.desc) + 2 :]
         self.bar.update(self.task, completed=self.done, detail=detail.split(", ETA")[0])
 
     # ----- the end ---------------------------------------------------------------------------------

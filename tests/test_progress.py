@@ -56,6 +56,7 @@ def test_terminal_gets_a_rich_bar():
         p.update(500)
     text = out.getvalue()
     assert "\x1b[" in text and "━" in text and "import" in text  # rich's coloured bar, not plain lines
+    assert "50% 500 B / 1.00 kB" in text and "import:" not in text  # the counts beside the bar, no repeated name
     assert human(999) == "999 B" and human(1_500_000) == "1.50 MB"
 
 
