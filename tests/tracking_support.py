@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -44,12 +45,22 @@ def wandb_records(run_dir: Path) -> Tuple[Dict[int, Dict[str, str]], Dict[str, s
     from wandb.proto import wandb_internal_pb2
 
     (path,) = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    # W&B's writer is its own process (wandb-core) and may still be flushing when run.finish() has
+    # returned: wait (bounded) for the run's closing "exit" record.
+    deadline = time.monotonic() + 60
+    while True:
+        records = []
+        for data in wandb_log_records(path):
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(data)
+            records.append(rec)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     history: Dict[int, Dict[str, str]] = {}
     config: Dict[str, str] = {}
     tags: List[str] = []
-    for data in wandb_log_records(path):
-        rec = wandb_internal_pb2.Record()
-        rec.ParseFromString(data)
+    for rec in records:
         kind = rec.WhichOneof("record_type")
         if kind == "history":
             items = {i.key or "/".join(i.nested_key): i.value_json for i in rec.history.item}
