@@ -81,6 +81,8 @@ def test_mlflow_local_store_read_back(tmp_path, store, monkeypatch):
     assert run.data.params["train.seq_length"] == "128" and run.data.params["parallel.tp"] == "2"
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"loss.png", "config.yaml"} <= names
+    if store == "sqlite":  # beside the database, not in the folder the job started from
+        assert (tmp_path / "mlartifacts").is_dir() and not (Path.cwd() / "mlruns").exists()
 
 
 def _closed_loopback_port() -> int:

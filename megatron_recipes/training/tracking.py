@@ -121,6 +121,14 @@ class WandbTracker:
         self.run.finish(exit_code=0 if finished else 1)
 
 
+def _artifacts(uri: str) -> Optional[str]:
+    """Artifacts of a local SQLite store go next to its database file; MLflow's default would be
+    ``./mlruns`` under whatever folder the job happened to start in."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri[len("sqlite:///"):]).expanduser().resolve().parent / "mlartifacts").as_uri()
+
+
 class MlflowTracker:
     label = "MLflow"
 
@@ -137,7 +145,7 @@ class MlflowTracker:
         if run_id is None:
             name = lg.mlflow_experiment or cfg.run.name
             exp = self.client.get_experiment_by_name(name)
-            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name)
+            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name, _artifacts(self.uri))
             tags = {t: "true" for t in lg.tags}
             run_id = self.client.create_run(exp_id, run_name=lg.tracking_run_name or cfg.run.name, tags=tags).info.run_id
             params = [Param(k, v[:6000]) for k, v in flat_params(cfg).items()]
