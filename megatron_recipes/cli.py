@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "convert": ("megatron_recipes.convert.cli:main", "HF <-> Megatron checkpoints: import, export, verify"),
     "data": ("megatron_recipes.data.cli:main", "preprocess corpora, build index caches"),
     "slurm": ("megatron_recipes.launch.cli:main", "render or submit sbatch scripts"),
+    "report": ("megatron_recipes.report.cli:main", "write a run directory's report.html (also while it runs)"),
 }
 
 USAGE = "usage: megatron-recipes <subcommand> <recipe> [key=value ...] [--flags]\n\nsubcommands:\n" + "\n".join(

@@ -119,7 +119,7 @@ def test_optimizer_mapping():
 
 
 def test_log_is_dllogger_jsonl_and_resume_drops_repeated_steps(tmp_path: Path):
-    log = sinks.MetricsLog(tmp_path, resume_step=0, tensorboard=False)
+    log = sinks.MetricsLog(tmp_path, resume_step=0)
     log.metadata("run", {"layout": "TP=2"})
     for step in range(1, 6):
         log.log(step, {"loss": 10.0 - step, "lr": 0.1, "grad_norm": float("nan") if step == 5 else 1.0, "tokens_per_sec": 5.0})
@@ -129,7 +129,7 @@ def test_log_is_dllogger_jsonl_and_resume_drops_repeated_steps(tmp_path: Path):
     assert records[0]["type"] == "METADATA" and records[-1]["data"]["grad_norm"] == "nan"
     assert {"timestamp", "datetime", "elapsedtime", "type", "step", "data"} <= set(records[1])
 
-    resumed = sinks.MetricsLog(tmp_path, resume_step=3, tensorboard=False)  # the checkpoint was at step 3
+    resumed = sinks.MetricsLog(tmp_path, resume_step=3)  # the checkpoint was at step 3
     resumed.log(4, {"loss": 0.5})
     resumed.close()
     steps = sinks.step_records(tmp_path / sinks.LOG_NAME)
@@ -143,7 +143,7 @@ def test_read_log_accepts_dllogger_prefixed_lines(tmp_path: Path):
 
 
 def test_loss_plot_is_a_png(tmp_path: Path):
-    log = sinks.MetricsLog(tmp_path, resume_step=0, tensorboard=False)
+    log = sinks.MetricsLog(tmp_path, resume_step=0)
     for step in range(1, 11):
         log.log(step, {"loss": 5.0 / step, **({"val_loss": 6.0 / step} if step % 5 == 0 else {})})
     log.close()

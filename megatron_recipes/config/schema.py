@@ -214,7 +214,12 @@ class LoggingConfig:
     eval_interval: int = 100
     eval_iters: int = 4
     tensorboard: bool = True  # when the tensorboard package is importable
-    wandb_project: Optional[str] = None
+    wandb_project: Optional[str] = None  # W&B; WANDB_MODE=offline keeps the run on disk
+    wandb_entity: Optional[str] = None
+    mlflow_tracking_uri: Optional[str] = None  # http(s)://..., file:..., sqlite:///...
+    mlflow_experiment: Optional[str] = None  # None: run.name
+    tracking_run_name: Optional[str] = None  # the run's name in W&B/MLflow; None: run.name
+    tags: List[str] = field(default_factory=list)  # W&B tags; MLflow tags (value "true")
     plot: bool = True
 
 

@@ -117,8 +117,7 @@ def run_export(
     max_shard_bytes: int = DEFAULT_MAX_SHARD,
     progress: bool = True,
 ) -> ExportReport:
-    from tqdm import tqdm
-
+    from megatron_recipes.progress import Progress
     from megatron_recipes.config.compose import from_yaml
     from megatron_recipes.training import checkpoint_identity as identity
     from megatron_recipes.training import checkpoint_store as store
@@ -159,7 +158,9 @@ def run_export(
     largest = max(it.nbytes for it in items)
 
     start = time.perf_counter()
-    with staging.atomic_dir(hf_dir) as tmp, tqdm(total=total, unit="B", unit_scale=True, desc="export", disable=not progress) as bar:
+    with staging.atomic_dir(hf_dir) as tmp, Progress(
+        "export", total=total, unit="B", items_total=len(plan), items_unit="tensors", enabled=progress
+    ) as bar:
         writer = ShardedSafetensorsWriter(tmp, entries, max_shard_bytes)
         try:
             with PeakRss() as peak:
@@ -171,6 +172,7 @@ def run_export(
                             writer.write_rows(name, piece.contiguous(), row)
                             row += piece.shape[0] if piece.dim() else 1
                             bar.update(piece.numel() * torch.empty((), dtype=out_dtypes[item.key]).element_size())
+                    bar.update(items=1)
                     del tensor
             writer.finish()
         except BaseException:

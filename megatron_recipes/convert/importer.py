@@ -185,8 +185,7 @@ def run_import(
     progress: bool = True,
 ) -> ImportReport:
     """Convert ``hf_dir`` into a checkpoint root at ``out_dir`` for ``parallel``; see the module docstring."""
-    from tqdm import tqdm
-
+    from megatron_recipes.progress import Progress
     from megatron_recipes.training import checkpoint as engine
     from megatron_recipes.training import checkpoint_store as store
 
@@ -215,12 +214,12 @@ def run_import(
             return out
 
         start = time.perf_counter()
-        with staging.atomic_dir(out_dir) as tmp, tqdm(
-            total=total, unit="B", unit_scale=True, desc="import", disable=not progress
+        with staging.atomic_dir(out_dir) as tmp, Progress(
+            "import", total=total, unit="B", items_total=len(steps), items_unit="tensors", enabled=progress
         ) as bar:
             ckpt_staging = store.prepare_staging(tmp, 0)
             with PeakRss() as peak:
-                dcp_io.write_items(ckpt_staging, lay.items, produce, lay.objects, on_item=lambda it: bar.update(it.nbytes))
+                dcp_io.write_items(ckpt_staging, lay.items, produce, lay.objects, on_item=lambda it: bar.update(it.nbytes, items=1))
             dcp_io.write_megatron_files(ckpt_staging, lay.common)
             engine.finish_weights_only(tmp, 0, cfg)
             write_model_yaml(source.model, tmp)

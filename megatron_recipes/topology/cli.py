@@ -44,7 +44,7 @@ def run_search(cfg: RunConfig, recipe: str, overrides: Sequence[str], top: int, 
     from megatron_recipes.topology.report import render_search, search_rows
     from megatron_recipes.topology.search import search_layouts
 
-    result = search_layouts(cfg, top=top)
+    result = search_layouts(cfg, top=top, progress=True)  # a bar on a terminal, lines on stderr elsewhere
     if as_json:
         rows = search_rows(result, overrides)
         print(json.dumps({"recipe": recipe, "enumerated": result.enumerated, "screened": result.screened,

@@ -152,33 +152,39 @@ def _core(cfg: RunConfig) -> tuple:
     return (p.tp, p.pp, p.cp, p.ep, p.etp)
 
 
-def search_layouts(cfg: RunConfig, top: int = 5, max_validated: int = 400) -> SearchResult:
+def search_layouts(cfg: RunConfig, top: int = 5, max_validated: int = 400, progress: bool = False) -> SearchResult:
     """The ``top`` fastest layouts (by the analytic model) that pass every validation rule."""
+    from megatron_recipes.progress import Progress
     from megatron_recipes.topology.groups import build_group_map
 
     enumerated, ranked = 0, []
-    for cand in enumerate_layouts(cfg):
-        enumerated += 1
-        if not _screen(cand):
-            continue
-        memory = estimate_memory(cand)
-        if not memory.fits:
-            continue
-        ranked.append(Candidate(cand, estimate_step_time(cand, build_group_map(cand)), memory))
+    with Progress("plan --search: estimating", unit="layouts", enabled=progress) as bar:
+        for cand in enumerate_layouts(cfg):
+            enumerated += 1
+            bar.update(1)
+            if not _screen(cand):
+                continue
+            memory = estimate_memory(cand)
+            if not memory.fits:
+                continue
+            ranked.append(Candidate(cand, estimate_step_time(cand, build_group_map(cand)), memory))
     ranked.sort(key=lambda c: c.time.total)
     best: List[Candidate] = []
     rejected: Counter = Counter()
     seen = set()
-    for cand in ranked[:max_validated]:
-        core = _core(cand.cfg)
-        if core in seen:  # a faster variant (vpp, micro batch, recompute) of this layout is listed already
-            continue
-        violations = validate(cand.cfg)
-        if violations:
-            rejected.update(v.rule_id for v in violations)
-            continue
-        best.append(cand)
-        seen.add(core)
-        if len(best) >= top:
-            break
+    shortlist = ranked[:max_validated]
+    with Progress("plan --search: validating", total=len(shortlist), unit="layouts", enabled=progress) as bar:
+        for cand in shortlist:
+            bar.update(1)
+            core = _core(cand.cfg)
+            if core in seen:  # a faster variant (vpp, micro batch, recompute) of this layout is listed already
+                continue
+            violations = validate(cand.cfg)
+            if violations:
+                rejected.update(v.rule_id for v in violations)
+                continue
+            best.append(cand)
+            seen.add(core)
+            if len(best) >= top:
+                break
     return SearchResult(best=best, screened=len(ranked), enumerated=enumerated, rejected=rejected)

@@ -19,8 +19,19 @@ from megatron_recipes.config.compose import to_yaml
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.models import capabilities, fusions
+from megatron_recipes.report import run_facts, write_report_after_run
 from megatron_recipes.runtime import distributed, versions
-from megatron_recipes.training import checkpoint, checkpoint_store, checkpointing, metrics, optim, run_lock, sinks, step
+from megatron_recipes.training import (
+    checkpoint,
+    checkpoint_store,
+    checkpointing,
+    metrics,
+    optim,
+    run_lock,
+    sinks,
+    step,
+    tracking,
+)
 from megatron_recipes.training.preemption import PreemptionWatcher
 
 
@@ -43,6 +54,7 @@ def preflight(cfg: RunConfig) -> None:
     from megatron_recipes.data.pretrain import resolve_blends
 
     optim.optimizer_config(cfg)
+    tracking.check_installed(cfg)  # an explicitly asked-for W&B / MLflow must be installed
     if cfg.data.kind in ("builtin", "indexed"):
         blend, per_split = resolve_blends(cfg)  # builds (once) or finds the built-in corpus
         for b in [blend, *(per_split or [])]:
@@ -164,7 +176,7 @@ class Trainer:
         self.build_iterators()
         if self.is_logger:
             write_config(self.cfg, self.run_dir)
-            self.sink = sinks.MetricsLog(self.run_dir, self.step, self.cfg.logging.tensorboard)
+            self.sink = sinks.MetricsLog(self.run_dir, self.step, self.cfg)
             self._announce()
         self.preemption.clear_marker()
         self.window = Window()
@@ -282,6 +294,8 @@ class Trainer:
             "versions": versions.stack(),
             "layer_spec": "transformer_engine" if capabilities.use_transformer_engine() else "local",
             "fusions": {k: v for k, v in vars(self.model[0].config).items() if k in fusions.FIELDS.values()},
+            "unigram_entropy_nats": self.entropy,
+            **run_facts(),  # host, Slurm job/restart, and versions extended (python, transformers, ...) for the report
         }
         self.sink.metadata("run", meta)
         lane = " (CPU lane: megatron-core on CPU over gloo)" if self.runtime.cpu_lane else ""
@@ -310,11 +324,12 @@ class Trainer:
     def _finish(self) -> None:
         if not self.is_logger:
             return
-        self.sink.close()
         if self.cfg.logging.plot:
             sinks.plot_losses(
                 self.run_dir / sinks.LOG_NAME, self.run_dir / sinks.PLOT_NAME, title=self.cfg.run.name, baseline=self.entropy
             )
+        report = write_report_after_run(self.run_dir)  # report.html; a failure warns, never fails the run
+        self.sink.close(self.run_dir / sinks.PLOT_NAME, report, finished=True)
         records = sinks.step_records(self.run_dir / sinks.LOG_NAME)
         losses = [r["data"]["loss"] for r in records if isinstance(r["data"].get("loss"), (int, float))]
         vals = [r["data"]["val_loss"] for r in records if isinstance(r["data"].get("val_loss"), (int, float))]
@@ -330,6 +345,8 @@ class Trainer:
             lines.append(f"  checkpoint: {latest}")
         if (self.run_dir / sinks.PLOT_NAME).is_file():
             lines.append(f"  loss curve: {self.run_dir / sinks.PLOT_NAME}")
+        if report:
+            lines.append(f"  report: {report}")
         self._say("\n".join(lines))
 
     def close(self) -> None:

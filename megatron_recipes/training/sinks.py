@@ -1,4 +1,4 @@
-"""Where metrics go: ``log.jsonl`` (DLLogger records), TensorBoard when installed, the console, a PNG.
+"""Where metrics go: ``log.jsonl`` (DLLogger records), the trackers (``tracking.py``), the console, a PNG.
 
 ``log.jsonl`` holds one JSON object per line in DLLogger's record layout (``timestamp``, ``datetime``,
 ``elapsedtime``, ``type``, ``step``, ``data``). When ``dllogger`` is importable its ``Logger`` drives
@@ -14,7 +14,10 @@ import math
 import os
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+if TYPE_CHECKING:
+    from megatron_recipes.config.schema import RunConfig
 
 LOG_NAME = "log.jsonl"
 PLOT_NAME = "loss.png"
@@ -114,52 +117,39 @@ def truncate_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-class _TensorBoard:
-    def __init__(self, folder: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(log_dir=str(folder))
-
-    def log(self, step: int, data: Dict[str, Any]) -> None:
-        for key, value in data.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self.writer.add_scalar(key, value, step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def _tensorboard(folder: Path) -> Optional[_TensorBoard]:
-    try:
-        return _TensorBoard(folder)
-    except ImportError:  # tensorboard is an optional extra
-        return None
-
-
 class MetricsLog:
-    """Rank 0's sinks for one run directory."""
+    """Rank 0's sinks for one run directory: ``log.jsonl`` always, plus the trackers the recipe asks for
+    (``training/tracking.py``: TensorBoard, W&B, MLflow) when a recipe is given."""
 
-    def __init__(self, run_dir: Path, resume_step: int, tensorboard: bool) -> None:
+    def __init__(self, run_dir: Path, resume_step: int, cfg: Optional["RunConfig"] = None) -> None:
         self.path = run_dir / LOG_NAME
         if resume_step > 0:
             truncate_after(self.path, resume_step)
         self.backend = JsonlBackend(self.path, append=resume_step > 0)
         self.logger = _dllogger([self.backend])
-        self.tb = _tensorboard(run_dir / "tensorboard") if tensorboard else None
+        self.trackers = None
+        if cfg is not None:
+            from megatron_recipes.config.compose import to_yaml
+            from megatron_recipes.training.tracking import open_trackers
+
+            self.trackers = open_trackers(cfg, run_dir, resume_step, to_yaml(cfg))
+            if self.trackers.notes:
+                print("tracking: " + "; ".join(self.trackers.notes), flush=True)
 
     def metadata(self, metric: str, metadata: Dict[str, Any]) -> None:
         self.logger.metadata(metric, metadata)
 
     def log(self, step: Any, data: Dict[str, Any]) -> None:
         self.logger.log(step=step, data=data, verbosity=0)
-        if self.tb is not None and isinstance(step, int):
-            self.tb.log(step, data)
+        if self.trackers is not None and isinstance(step, int):
+            self.trackers.log(step, data)
 
-    def close(self) -> None:
-        self.backend.close()
-        if self.tb is not None:
-            self.tb.close()
+    def close(self, curve: Optional[Path] = None, report: Optional[Path] = None, finished: bool = False) -> None:
+        """Close the log and end the trackers (with the loss curve and report when the run finished)."""
+        if not self.backend.file.closed:
+            self.backend.close()
+        if self.trackers is not None:
+            self.trackers.close(curve if curve and curve.is_file() else None, report if report and report.is_file() else None, finished)
 
 
 def plot_losses(log_path: Path, out_path: Path, title: str = "", baseline: Optional[float] = None) -> Optional[Path]:
