@@ -68,21 +68,23 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 600.0) -> L
     return [results[r] for r in range(world)]
 
 
+# The tiny setting these tests share (sharding_support reuses it with larger global batches).
+TINY_BASE = [
+    "precision=fp32",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    f"train.seq_length={SEQ}",
+    "optimizer.lr_warmup_iters=0",
+    "optimizer.lr_decay_style=constant",
+    "optimizer.lr=1.0e-2",
+    "checkpoint.pretrained=unused-by-this-test",
+]
+
+
 def tiny_cfg(world: int, *overrides: str, recipe: str = "tiny_llama_cpu"):
     from megatron_recipes.config.compose import compose_recipe
 
-    base = [
-        "parallel=none",
-        f"cluster.gpus_per_node={world}",
-        "precision=fp32",
-        "train.global_batch_size=4",
-        "train.micro_batch_size=2",
-        f"train.seq_length={SEQ}",
-        "optimizer.lr_warmup_iters=0",
-        "optimizer.lr_decay_style=constant",
-        "optimizer.lr=1.0e-2",
-        "checkpoint.pretrained=unused-by-this-test",
-    ]
+    base = ["parallel=none", f"cluster.gpus_per_node={world}", *TINY_BASE]
     return compose_recipe(recipe, base + list(overrides))
 
 

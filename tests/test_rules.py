@@ -24,6 +24,10 @@ DSV3 = "deepseek_v3_pretrain"  # 128 H100 nodes, TP2 PP16 EP64 (inter-node, allo
 PT = "checkpoint.pretrained=base_ckpt"  # PEFT needs a base checkpoint
 GB200 = ("cluster=gb200_nvl72", "cluster.nodes=16")
 PP2 = ("parallel.tp=1", "parallel.pp=2")
+FS = ("parallel=none", "parallel.fsdp=true", "checkpoint.save=false", "checkpoint.load=none")  # FSDP over DP=2
+F70 = "llama3_70b_sft_fsdp"  # 2 H100 nodes, Megatron-FSDP zero3 + optimizer offload
+SFT = ("data.sft_path=train.jsonl", PT)
+L8 = "llama3_8b_pretrain"  # 1 H100 node, TP2 CP2, no recompute
 
 Case = Tuple[str, Tuple[str, ...], Tuple[str, ...]]  # recipe, failing overrides, passing overrides
 
@@ -145,6 +149,27 @@ CASES: Dict[str, Case] = {
         ("peft.method=ptuning", "train.seq_length=4096", "parallel.cp=1", PT),
     ),
     "peft.needs_pretrained": (TINY, ("peft.method=lora",), ("peft.method=lora", PT)),
+    "sharding.values": (TINY, ("parallel.sharding=zero4",), ("parallel.sharding=zero1",)),
+    "sharding.needs_distributed_optimizer": (
+        TINY,
+        ("parallel=none", "parallel.dist_optimizer_instances=2", "optimizer.use_distributed_optimizer=false"),
+        ("parallel=none", "parallel.dist_optimizer_instances=2"),
+    ),
+    "sharding.zero23_need_fsdp": (TINY, ("parallel=none", "parallel.sharding=zero3"), FS + ("parallel.sharding=zero3",)),
+    "sharding.instances_divide_dp": (
+        TINY, ("parallel=none", "parallel.dist_optimizer_instances=4"), ("parallel=none", "parallel.dist_optimizer_instances=2")
+    ),
+    "fsdp.no_hybrid_instances": (
+        TINY, FS + ("parallel.dist_optimizer_instances=2",), ("parallel=none", "parallel.dist_optimizer_instances=2")
+    ),
+    "fsdp.not_with_peft": (TINY, FS + ("peft.method=lora", PT), ("parallel=none", "peft.method=lora", PT)),
+    "fsdp.no_pipeline": (TINY, FS + ("parallel.pp=2",), FS),
+    "fsdp.checkpoint_format": (TINY, ("parallel=none", "parallel.fsdp=true"), FS),
+    "offload.needs_gpu": (TINY, ("optimizer.cpu_offload=true", "precision=bf16", "cluster.host_memory_gb=16"), ()),
+    "offload.optimizer_precision": (F70, SFT + ("precision.params_dtype=fp16", "optimizer=sgd"), SFT + ("precision.params_dtype=fp16",)),
+    "offload.host_memory_known": (F70, SFT + ("cluster.host_memory_gb=0",), SFT),
+    "offload.activation_layers": (L8, ("train.activation_offload_layers=32",), ("train.activation_offload_layers=8",)),
+    "memory.host_fits": (F70, SFT + ("cluster.host_memory_gb=256",), SFT),
     "memory.fits": (L70, ("parallel.tp=1", "parallel.pp=1", "parallel.vpp=null", "parallel.cp=1", "parallel.sp=false"), ()),
 }
 

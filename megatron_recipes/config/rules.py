@@ -18,13 +18,15 @@ from megatron_recipes.config.rules_model import MODEL_RULES
 from megatron_recipes.config.rules_moe import MOE_RULES
 from megatron_recipes.config.rules_peft import PEFT_RULES
 from megatron_recipes.config.rules_precision import PRECISION_RULES
+from megatron_recipes.config.rules_sharding import SHARDING_RULES
 from megatron_recipes.config.rules_train import TRAIN_RULES
 from megatron_recipes.config.rules_values import VALUE_RULES
 
 # Single values first (a newline or a NaN makes every later message misleading); memory last: it only
 # speaks once the layout it estimates is otherwise valid.
 RULES: List[Rule] = (
-    VALUE_RULES + LAYOUT_RULES + MODEL_RULES + MOE_RULES + PRECISION_RULES + TRAIN_RULES + DATA_RULES + PEFT_RULES + MEMORY_RULES
+    VALUE_RULES + LAYOUT_RULES + MODEL_RULES + MOE_RULES + PRECISION_RULES + TRAIN_RULES + SHARDING_RULES
+    + DATA_RULES + PEFT_RULES + MEMORY_RULES
 )
 
 

@@ -17,6 +17,7 @@ from megatron_recipes.config.schema import RunConfig
     ["parallel.*", "train.micro_batch_size", "train.recompute", "cluster.gpu_memory_gb"],
     "the estimated peak memory of the fullest GPU fits cluster.gpu_memory_gb",
     "raise parallel.tp/pp (or cp/ep), lower train.micro_batch_size, set train.recompute=selective or full, "
+    "shard more (parallel.fsdp=true parallel.sharding=zero3, then optimizer.cpu_offload=true), "
     "or run `megatron-recipes plan <recipe> --search` for layouts that fit",
 )
 def _fits(cfg: RunConfig) -> Optional[str]:
@@ -46,4 +47,26 @@ def _precision_hint(cfg: RunConfig, w) -> str:
     return ("; as in the published runs, " + " and ".join(hints)) if hints else ""
 
 
-MEMORY_RULES = [_fits]
+
+@rule(
+    "memory.host_fits",
+    ["optimizer.cpu_offload", "optimizer.offload_fraction", "parallel.*", "cluster.host_memory_gb"],
+    "offloaded optimizer state of all ranks of a node fits cluster.host_memory_gb",
+    "lower optimizer.offload_fraction, shard over more ranks (more nodes or parallel.dist_optimizer_instances=1), "
+    "or use nodes with more RAM",
+)
+def _host_fits(cfg: RunConfig) -> Optional[str]:
+    if not cfg.optimizer.cpu_offload or cfg.cluster.host_memory_gb <= 0 or not (model_ok(cfg) and layers_ok(cfg) and batch_ok(cfg)):
+        return None
+    from megatron_recipes.topology.sharding import GB, host_memory
+
+    host = host_memory(cfg)
+    if host.fits:
+        return None
+    return (
+        f"offloaded optimizer state needs about {host.per_node / GB:.0f} GB of host memory per node but cluster "
+        f"{cfg.cluster.name} has host_memory_gb={cfg.cluster.host_memory_gb:g}; short by {(host.per_node - host.capacity) / GB:.0f} GB"
+    )
+
+
+MEMORY_RULES = [_fits, _host_fits]

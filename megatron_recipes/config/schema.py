@@ -105,6 +105,13 @@ class ParallelConfig:
     allow_inter_node_ep: bool = False  # EP groups leaving the NVLink domain are an error unless set
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    # ZeRO stage of data-parallel sharding (with optimizer.use_distributed_optimizer=true):
+    # zero1 optimizer state | zero2 + gradients | zero3 + parameters (FSDP's FULL_SHARD).
+    # zero2/zero3 run through Megatron-FSDP (parallel.fsdp=true); see topology/sharding.py.
+    sharding: str = "zero1"  # zero1 | zero2 | zero3
+    fsdp: bool = False  # data parallelism through megatron-core's Megatron-FSDP instead of its DDP
+    # Hybrid sharding (HSDP / ZeRO++ hpZ-like): shard inside DP / instances ranks, replicate across
+    dist_optimizer_instances: int = 1
 
 
 @dataclass
@@ -116,6 +123,7 @@ class ClusterConfig:
     gpus_per_node: int = MISSING  # ranks per node (CPU processes on the CPU lane)
     nvlink_domain: int = MISSING  # GPUs reachable over NVLink; == gpus_per_node on HGX, 72 on NVL72
     gpu_memory_gb: float = MISSING
+    host_memory_gb: float = 0.0  # RAM per node for offloaded optimizer state; 0 = unknown (offload refused)
     gpu_arch: str = MISSING  # cpu | ampere | hopper | blackwell
     peak_bf16_tflops: float = 0.0  # dense, per GPU; 0 on CPU (MFU reported as n/a)
     peak_fp8_tflops: float = 0.0  # dense, per GPU; 0: the GPU has no FP8 tensor cores
@@ -191,6 +199,10 @@ class OptimizerConfig:
     lr_decay_style: str = "cosine"  # cosine | linear | constant
     lr_decay_iters: Optional[int] = None  # None -> train.train_iters
     use_distributed_optimizer: bool = True
+    # Optimizer state and step on the host (DeepSpeed's offload_optimizer): megatron-core's
+    # HybridDeviceOptimizer; offload_fraction of the (sharded) state moves, the rest stays on the GPU.
+    cpu_offload: bool = False
+    offload_fraction: float = 1.0
 
 
 @dataclass
@@ -246,6 +258,9 @@ class TrainConfig:
     recompute_method: str = "uniform"  # uniform | block (with recompute=full)
     recompute_num_layers: int = 1
     exit_on_nan: bool = True
+    # Layer-level activation offloading to host memory (megatron-core ``cpu_offloading``, Transformer
+    # Engine only): activations of this many transformer layers per stage go to the host. 0 = off.
+    activation_offload_layers: int = 0
     # Stop cleanly (checkpoint first) once the step count is a multiple of this (Megatron-LM's
     # --exit-interval): for jobs split into fixed chunks of steps. None = run to train_iters.
     exit_interval: Optional[int] = None

@@ -24,6 +24,13 @@ class EnvVar:
 def cuda_device_max_connections(cfg: RunConfig) -> List[EnvVar]:
     """Also applied by every rank of a single-node start (training/cli.py), which has no job script."""
     p, arch = cfg.parallel, cfg.cluster.gpu_arch
+    if p.fsdp and arch != "cpu":
+        return [EnvVar(
+            "CUDA_DEVICE_MAX_CONNECTIONS", "8",
+            "parallel.fsdp: Megatron-FSDP overlaps parameter all-gathers and gradient reduce-scatters with compute "
+            "on several hardware queues, which a single queue would serialise (Megatron-LM refuses FSDP with 1); "
+            "8 is CUDA's default, set explicitly so a container's 1 cannot leak in",
+        )]
     if p.tp == 1 and p.cp == 1:
         return []
     if arch in ("hopper", "ampere"):

@@ -93,6 +93,10 @@ def unmet_requirements(cfg: RunConfig, machine: Machine | None = None) -> List[s
             problems.append(f"{thd}; set train.micro_batch_size=1 (raise train.seq_length to pack more) or data.packing=false")
     if p.moe_dispatcher == "flex" and not m.deep_ep:
         problems.append("parallel.moe_dispatcher=flex needs DeepEP (deep_ep) on a GPU, which is not importable here; use parallel.moe_dispatcher=alltoall")
+    if cfg.optimizer.cpu_offload and not te:  # HybridDeviceOptimizer runs on the precision-aware optimizer path
+        problems.append(f"optimizer.cpu_offload needs a GPU and Transformer Engine, but {where}; set optimizer.cpu_offload=false")
+    if cfg.train.activation_offload_layers > 0 and not te:  # TransformerBlock: get_cpu_offload_context is TE's
+        problems.append(f"train.activation_offload_layers needs Transformer Engine on a GPU, but {where}; set it to 0")
     if prec.params_dtype == "fp16" and not m.cuda:
         problems.append("precision.params_dtype=fp16 is not supported on the CPU lane; use precision=fp32 or bf16")
     if prec.fp8 and m.cuda and m.compute_capability < (8, 9):

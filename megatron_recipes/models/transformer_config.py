@@ -124,6 +124,17 @@ def _recompute_fields(cfg: RunConfig) -> Dict[str, Any]:
     raise RecipeError(f"train.recompute={t.recompute!r} is not known", fix="use none, selective or full")
 
 
+def _offload_fields(cfg: RunConfig) -> Dict[str, Any]:
+    """``train.activation_offload_layers`` -> megatron-core's layer-level ``cpu_offloading`` and
+    ``cpu_offloading_num_layers`` (model_parallel_config.py). TransformerBlock builds the offload context
+    with Transformer Engine's ``get_cpu_offload_context`` and asserts without it; megatron-core refuses it
+    with PP > 1 and with recompute (transformer_config.py) - the rule table says so before this runs."""
+    n = cfg.train.activation_offload_layers
+    if n <= 0:
+        return {}
+    return {"cpu_offloading": True, "cpu_offloading_num_layers": n, "cpu_offloading_activations": True}
+
+
 def _mla_fields(cfg: RunConfig) -> Dict[str, Any]:
     m = cfg.model
     out: Dict[str, Any] = {
@@ -214,6 +225,7 @@ def build_transformer_config(cfg: RunConfig, use_te: bool, cpu_init: bool, fusio
     fields.update(_precision_fields(cfg))
     fields.update(_moe_fields(cfg, use_te))
     fields.update(_recompute_fields(cfg))
+    fields.update(_offload_fields(cfg))
     check_rope_scaling(cfg)
     if m.multi_latent_attention:
         fields.update(_mla_fields(cfg))

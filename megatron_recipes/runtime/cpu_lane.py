@@ -155,6 +155,14 @@ def _patch_megatron() -> None:
             moe_utils.te_general_gemm = None
     except ImportError:
         pass
+    try:  # Megatron-FSDP's adapter tests isinstance(module, (TELinear,)) (TP > 1); without TE that name is
+        # megatron-core's MagicMock stand-in, not a class, and isinstance raises TypeError
+        from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+        if not isinstance(mcore_fsdp_adapter.TELinear, type):
+            mcore_fsdp_adapter.TELinear = type("NoTELinear", (), {})  # no module is one: the non-TE branch
+    except ImportError:
+        pass
 
 
 _CUDA_TYPE_NAMES = {

@@ -96,6 +96,8 @@ def init_model_parallel(cfg: RunConfig, timeout_minutes: float = 10.0) -> Runtim
         expert_model_parallel_size=p.ep,
         expert_tensor_parallel_size=derived.expert_tensor_parallel_size(cfg),
         distributed_timeout_minutes=int(max(1, timeout_minutes)),
+        # hybrid sharding: megatron-core builds the intra-/inter-instance DP groups the optimizer uses
+        num_distributed_optimizer_instances=p.dist_optimizer_instances,
         order="tp-cp-ep-dp-pp",
     )
     seed_everything(cfg.seed)

@@ -6,6 +6,7 @@ Model state per parameter on a rank (``params_dtype`` bf16 shown):
     for routed experts when the distributed optimizer shards them.
 Activations: ``activations.chunk_bytes`` per microbatch times the microbatches in flight at the stage's
 peak (``schedule``), plus what full recompute rebuilds during backward.
+Sharding (ZeRO stages, hybrid instances) and optimizer offload: ``topology/sharding.py``.
 PEFT (any ``peft.method`` but none) freezes the base: its weights stay, its gradients and optimizer state
 go; the small adapters are not counted, and NF4 storage is counted at the bf16 size (conservative).
 Overhead: CUDA context, NCCL buffers and allocator fragmentation, a fixed amount plus a share.
@@ -19,7 +20,7 @@ from typing import List
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.topology import activations, schedule
+from megatron_recipes.topology import activations, schedule, sharding
 from megatron_recipes.topology.params import ParamCount, stage_params
 
 GB = 1e9
@@ -97,13 +98,7 @@ def model_state_bytes(cfg: RunConfig, params: ParamCount) -> tuple[float, float,
     per = optimizer_bytes_per_param(cfg)
     if cfg.peft.method != "none":  # frozen base: no grads or optimizer state (adapters are not counted)
         return params.total * weight, 0.0, 0.0
-    if cfg.optimizer.use_distributed_optimizer:
-        dense_shards = max(1, derived.data_parallel_size(cfg) * cfg.parallel.cp)
-        expert_shards = max(1, derived.expert_data_parallel_size(cfg))
-        opt = per * (params.dense / dense_shards + params.expert / expert_shards)
-    else:
-        opt = per * params.total
-    return params.total * weight, params.total * grad, opt
+    return sharding.device_state(cfg, params, weight, grad, per)  # ZeRO stage, hybrid sharding, offload
 
 
 def stage_memory(cfg: RunConfig, pp_rank: int) -> StageMemory:
@@ -124,6 +119,7 @@ def stage_memory(cfg: RunConfig, pp_rank: int) -> StageMemory:
     layer_part = (per_mb - head) / vpp
     acts = layer_part * n_chunks + head
     transient = max((activations.recompute_transient_bytes(cfg, list(c)) for c in chunks), default=0.0)
+    transient += sharding.gather_transient(cfg, [i for c in chunks for i in c], weight_bytes_per_param(cfg))
     fixed = CPU_FIXED_OVERHEAD if cfg.cluster.gpu_arch == "cpu" else GPU_FIXED_OVERHEAD
     overhead = fixed + FRAGMENTATION * (weights + grads + opt + acts + transient)
     return StageMemory(pp_rank, params, weights, grads, opt, acts, per_mb, n_chunks / vpp, transient, overhead)

@@ -11,6 +11,7 @@ from megatron_recipes.config import derived
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.topology.groups import GroupKind, build_group_map, coordinates
 from megatron_recipes.topology.memory import GB, estimate_memory
+from megatron_recipes.topology.sharding import host_memory, shard_groups
 from megatron_recipes.topology.params import active_params, model_params
 from megatron_recipes.topology import rates
 from megatron_recipes.topology.steptime import estimate_step_time
@@ -65,8 +66,23 @@ def rank_map(cfg: RunConfig, groups: Dict[str, GroupKind], all_ranks: bool) -> L
     return [{"rank": r, "node": r // cfg.cluster.gpus_per_node, **{k: coords[k][r] for k in groups}} for r in ranks]
 
 
+def sharding_dict(cfg: RunConfig) -> Dict[str, Any]:
+    p, o = cfg.parallel, cfg.optimizer
+    groups = shard_groups(cfg)
+    return {
+        "stage": p.sharding if o.use_distributed_optimizer else "none",
+        "fsdp": p.fsdp,
+        "instances": p.dist_optimizer_instances,
+        "dense_shard_ranks": groups.dense if o.use_distributed_optimizer else 1,
+        "expert_shard_ranks": groups.expert if o.use_distributed_optimizer else 1,
+        "optimizer_offload_fraction": o.offload_fraction if o.cpu_offload else 0.0,
+        "activation_offload_layers": cfg.train.activation_offload_layers,
+    }
+
+
 def memory_dict(cfg: RunConfig) -> Dict[str, Any]:
     est = estimate_memory(cfg)
+    host = host_memory(cfg)
     stages = []
     for s in est.stages:
         stages.append(
@@ -92,6 +108,10 @@ def memory_dict(cfg: RunConfig) -> Dict[str, Any]:
         "margin_gb": est.margin / GB,
         "fits": est.fits,
         "bubble_fraction": est.bubble_fraction,
+        "sharding": sharding_dict(cfg),
+        "host_offload_per_node_gb": host.per_node / GB,
+        "host_capacity_gb": host.capacity / GB,
+        "host_fits": host.fits,
         "stages": stages,
     }
 

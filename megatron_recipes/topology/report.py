@@ -105,6 +105,14 @@ def _render_memory(mem: Dict[str, Any], console: Console) -> None:
                   "activations (Transformer Engine kernels on GPUs: not measured here), overhead (CUDA context, "
                   "NCCL, workspaces and allocator fragmentation: assumed, topology/memory.py)")
     console.print(f"pipeline bubble: {mem['bubble_fraction'] * 100:.1f}% of the step")
+    sh = mem["sharding"]
+    console.print(f"sharding: {sh['stage']}{' (Megatron-FSDP)' if sh['fsdp'] else ''} over {sh['dense_shard_ranks']} ranks "
+                  f"(experts {sh['expert_shard_ranks']}), {sh['instances']} instance(s); optimizer offload "
+                  f"{sh['optimizer_offload_fraction'] * 100:.0f}%")
+    if mem["host_offload_per_node_gb"] > 0:
+        cap = f"{mem['host_capacity_gb']:.0f} GB" if mem["host_capacity_gb"] > 0 else "unknown RAM"
+        console.print(f"host memory per node: {mem['host_offload_per_node_gb']:.0f} GB offloaded optimizer state of {cap} "
+                      f"({_mark(mem['host_fits'])})")
     verdict = "[bold green]FITS[/bold green]" if mem["fits"] else "[bold red]DOES NOT FIT[/bold red]"
     word = "margin" if mem["fits"] else "short by"
     console.print(f"verdict: {verdict}: the fullest GPU (stage {mem['worst_stage']}) needs {mem['worst_total_gb']:.1f} of "
@@ -137,6 +145,7 @@ def search_rows(result: SearchResult, user_overrides: Sequence[str] = ()) -> Lis
             "step_s": c.time.total, "tokens_per_s_per_gpu": c.time.tokens_per_s_per_gpu, "model_mfu": c.time.mfu,
             "memory_gb": c.memory.worst.total / GB, "margin_gb": c.memory.margin / GB,
             "bubble_fraction": c.memory.bubble_fraction, "overrides": c.command_overrides(user_overrides),
+            "sharding_mode": c.sharding_mode,  # None: the recipe's own; else the mode the search had to add
         })
     return rows
 
@@ -150,6 +159,10 @@ def render_search(result: SearchResult, recipe: str, console: Console, base_over
         console.print(f"rejected by validation among the fastest: {top}")
     if not rows:
         return
+    modes = sorted({r["sharding_mode"] for r in rows if r["sharding_mode"]})
+    if modes:
+        console.print(f"the recipe's own sharding left too few layouts that fit; also searched: {', '.join(modes)} "
+                      "(their commands set it; step times count one parameter all-gather per step, zero3 gathers in forward and backward)")
     t = Table(title="fastest valid layouts (analytic step-time model; see topology/steptime.py)")
     for col in ("#", "tp", "pp", "vpp", "cp", "ep", "etp", "mbs", "recompute", "step s", "tok/s/GPU", "MFU", "mem GB", "margin", "bubble"):
         t.add_column(col, justify="right")

@@ -20,9 +20,12 @@ from megatron_recipes.config.rules_base import divisors
 from megatron_recipes.config.rules_layout import pipeline_split_problem
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.config.validate import validate
+from megatron_recipes.topology import sharding
 from megatron_recipes.topology.memory import MemoryEstimate, estimate_memory
 from megatron_recipes.topology.steptime import StepTime, estimate_step_time
 
+# Rules on a run's inputs (files a training job reads), which planning never opens: `train` checks them.
+INPUT_RULES = ("data.indexed_needs_blend", "data.sft_needs_path", "peft.needs_pretrained")
 MICRO_BATCHES = (1, 2, 4)
 MAX_VPP = 8
 
@@ -32,6 +35,7 @@ class Candidate:
     cfg: RunConfig
     time: StepTime
     memory: MemoryEstimate
+    sharding_mode: Optional[str] = None  # set when the search had to change the recipe's sharding
 
     def overrides(self) -> List[str]:
         """Hydra overrides that turn the recipe into this layout."""
@@ -48,6 +52,8 @@ class Candidate:
         out += [f"parallel.account_for_embedding_in_pipeline_split={counted}",
                 f"parallel.account_for_loss_in_pipeline_split={counted}"]
         out += [f"train.micro_batch_size={t.micro_batch_size}", f"train.recompute={t.recompute}"]
+        if self.sharding_mode is not None:
+            out += sharding.overrides(self.cfg)
         return out
 
     def command_overrides(self, user: Sequence[str] = ()) -> List[str]:
@@ -140,6 +146,8 @@ def _screen(cfg: RunConfig) -> bool:
         return False
     if derived.data_parallel_size(cfg) == 0 or derived.expert_data_parallel_size(cfg) == 0:
         return False
+    if cfg.parallel.fsdp and cfg.parallel.pp > 1:  # rule fsdp.no_pipeline
+        return False
     micro = derived.num_microbatches(cfg)
     if micro == 0 or (p.pp > 1 and micro < p.pp) or (p.vpp and micro % p.pp):
         return False
@@ -153,12 +161,26 @@ def _core(cfg: RunConfig) -> tuple:
 
 
 def search_layouts(cfg: RunConfig, top: int = 5, max_validated: int = 400, progress: bool = False) -> SearchResult:
-    """The ``top`` fastest layouts (by the analytic model) that pass every validation rule."""
+    """The ``top`` fastest layouts (by the analytic model) that pass every validation rule; when the
+    recipe's own sharding leaves fewer, the next sharding modes (``sharding.escalations``) are searched too,
+    cheapest first, and their layouts carry the mode's overrides."""
+    result = _search_mode(cfg, top, max_validated, None, progress)
+    for name, escalated in sharding.escalations(cfg):
+        if len(result.best) >= top:
+            break
+        more = _search_mode(escalated, top - len(result.best), max_validated, name, progress)
+        result = SearchResult(result.best + more.best, result.screened + more.screened,
+                              result.enumerated + more.enumerated, result.rejected + more.rejected)
+    return result
+
+
+def _search_mode(cfg: RunConfig, top: int, max_validated: int, mode: Optional[str], progress: bool) -> SearchResult:
     from megatron_recipes.progress import Progress
     from megatron_recipes.topology.groups import build_group_map
 
+    label = f" ({mode})" if mode else ""
     enumerated, ranked = 0, []
-    with Progress("plan --search: estimating", unit="layouts", enabled=progress) as bar:
+    with Progress(f"plan --search{label}: estimating", unit="layouts", enabled=progress) as bar:
         for cand in enumerate_layouts(cfg):
             enumerated += 1
             bar.update(1)
@@ -167,19 +189,19 @@ def search_layouts(cfg: RunConfig, top: int = 5, max_validated: int = 400, progr
             memory = estimate_memory(cand)
             if not memory.fits:
                 continue
-            ranked.append(Candidate(cand, estimate_step_time(cand, build_group_map(cand)), memory))
+            ranked.append(Candidate(cand, estimate_step_time(cand, build_group_map(cand)), memory, mode))
     ranked.sort(key=lambda c: c.time.total)
     best: List[Candidate] = []
     rejected: Counter = Counter()
     seen = set()
     shortlist = ranked[:max_validated]
-    with Progress("plan --search: validating", total=len(shortlist), unit="layouts", enabled=progress) as bar:
+    with Progress(f"plan --search{label}: validating", total=len(shortlist), unit="layouts", enabled=progress) as bar:
         for cand in shortlist:
             bar.update(1)
             core = _core(cand.cfg)
             if core in seen:  # a faster variant (vpp, micro batch, recompute) of this layout is listed already
                 continue
-            violations = validate(cand.cfg)
+            violations = validate(cand.cfg, skip=INPUT_RULES)
             if violations:
                 rejected.update(v.rule_id for v in violations)
                 continue

@@ -41,7 +41,7 @@ def resume(cfg: RunConfig, model, optimizer, scheduler) -> Optional[Dict[str, An
         return state
     from megatron_recipes.peft.state import peft_active
 
-    if cfg.checkpoint.pretrained and not peft_active(cfg):  # PEFT runs loaded it before apply_peft
+    if cfg.checkpoint.pretrained and not peft_active(cfg) and not cfg.parallel.fsdp:  # those loaded it before wrapping
         # a missing path is an error there, never a silent random start
         checkpoint.load_weights(Path(cfg.checkpoint.pretrained), model, cfg)
         # The optimizer already holds its fp32 main copies (bf16/fp16, or the distributed optimizer's
@@ -50,3 +50,17 @@ def resume(cfg: RunConfig, model, optimizer, scheduler) -> Optional[Dict[str, An
         if torch.distributed.get_rank() == 0:
             print(f"initial weights from {cfg.checkpoint.pretrained}", flush=True)
     return None
+
+
+def load_pretrained_before_fsdp(cfg: RunConfig, chunks) -> None:
+    """Megatron-FSDP: ``checkpoint.pretrained`` goes into the bare GPTModel chunks, before wrapping.
+
+    Once wrapped, Megatron-FSDP owns the parameters in its own (sharded) buffers and offers only its
+    fsdp_dtensor state dict, not the torch_dist one our checkpoints hold; before wrapping the chunks are
+    plain megatron-core models, which load any layout of the checkpoint, and wrapping then shards them.
+    """
+    if not (cfg.parallel.fsdp and cfg.checkpoint.pretrained):
+        return
+    checkpoint.load_weights(Path(cfg.checkpoint.pretrained), chunks, cfg)
+    if torch.distributed.get_rank() == 0:
+        print(f"initial weights from {cfg.checkpoint.pretrained} (before Megatron-FSDP sharding)", flush=True)

@@ -125,6 +125,7 @@ class Trainer:
         self.tokenizer = self.prepare_data_artifacts()
         chunks = build_model_chunks(self.cfg)
         self.peft = prepare_for_training(self.cfg, chunks)  # PEFT: pretrained base, then adapters (before DDP)
+        checkpointing.load_pretrained_before_fsdp(self.cfg, chunks)
         self.model = optim.wrap_model(self.cfg, chunks)
         optim.configure_schedule_hooks(self.model)
         self.optimizer = optim.build_optimizer(self.cfg, self.model)

@@ -21,10 +21,48 @@ from megatron_recipes.training import mcore_fixes
 _DECAY_STYLES = ("cosine", "linear", "constant")
 
 
+# parallel.sharding -> Megatron-FSDP's DistributedDataParallelConfig.data_parallel_sharding_strategy
+# ('optim' | 'optim_grads' | 'optim_grads_params', megatron-core 0.16 distributed_data_parallel_config.py).
+FSDP_STRATEGY = {"zero1": "optim", "zero2": "optim_grads", "zero3": "optim_grads_params"}
+
+
+def ddp_config(cfg: RunConfig):
+    """RunConfig -> megatron-core ``DistributedDataParallelConfig`` (the one place DP settings map).
+
+    - ``optimizer.use_distributed_optimizer`` -> ``use_distributed_optimizer`` (ZeRO-1 on megatron DDP).
+    - ``parallel.fsdp`` -> ``use_megatron_fsdp``; ``parallel.sharding`` -> ``data_parallel_sharding_strategy``
+      (FSDP_STRATEGY). Without FSDP, megatron DDP shards only optimizer state (its grad buffer and params
+      stay whole), so rules allow zero2/zero3 only with ``parallel.fsdp=true``.
+    - ``parallel.dist_optimizer_instances`` -> ``num_distributed_optimizer_instances``: the DP group is
+      split into that many replicas, each sharding state over DP / instances ranks (megatron-core creates
+      the intra/inter groups in ``initialize_model_parallel``, which runtime/distributed.py also passes it).
+    """
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    p = cfg.parallel
+    fsdp = {}
+    if p.fsdp:
+        fsdp = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy=FSDP_STRATEGY[p.sharding])
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=cfg.precision.grad_reduce_in_fp32,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
+        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        num_distributed_optimizer_instances=p.dist_optimizer_instances,
+        # Under the interleaved schedule the schedule itself dispatches each chunk's parameter all-gather
+        # (config.param_sync_func, installed below); the forward pre-hooks must then only wait for them,
+        # which is what align_param_gather tells megatron-core's DDP. Without VPP the hooks dispatch.
+        align_param_gather=_schedule_dispatches_param_gather(cfg),
+        average_in_collective=False,  # per-token loss: finalize_model_grads divides by the token count
+        **fsdp,
+    )
+
+
 def wrap_model(cfg: RunConfig, chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
-    """Float16Module (bf16/fp16, as Megatron-LM does) and megatron-core DDP around each model chunk."""
+    """Float16Module (bf16/fp16, as Megatron-LM does) and megatron-core DDP (or Megatron-FSDP's
+    ``FullyShardedDataParallel``, which replaces it as in Megatron-LM) around each model chunk."""
     from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
 
     config = chunks[0].config
@@ -33,22 +71,14 @@ def wrap_model(cfg: RunConfig, chunks: List[torch.nn.Module]) -> List[torch.nn.M
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     if config.bf16 or config.fp16:
         chunks = [Float16Module(config, chunk) for chunk in chunks]
-    p = cfg.parallel
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=cfg.precision.grad_reduce_in_fp32,
-        overlap_grad_reduce=p.overlap_grad_reduce,
-        overlap_param_gather=p.overlap_param_gather,
-        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
-        # Under the interleaved schedule the schedule itself dispatches each chunk's parameter all-gather
-        # (config.param_sync_func, installed below); the forward pre-hooks must then only wait for them,
-        # which is what align_param_gather tells megatron-core's DDP. Without VPP the hooks dispatch.
-        align_param_gather=_schedule_dispatches_param_gather(cfg),
-        average_in_collective=False,  # per-token loss: finalize_model_grads divides by the token count
-    )
+    ddp = ddp_config(cfg)
+    wrapper = DistributedDataParallel
+    if ddp.use_megatron_fsdp:
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel as wrapper
     # As Megatron-LM: only the first chunk buckets its grads; later VPP chunks' reduction overlaps with
     # the remaining compute anyway.
     return [
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        wrapper(config=config, ddp_config=ddp, module=chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
     ]
 
@@ -88,7 +118,8 @@ def finish_param_sync(model: List[torch.nn.Module]) -> None:
 
 
 def optimizer_config(cfg: RunConfig):
-    """RunConfig -> megatron-core ``OptimizerConfig``.
+    """RunConfig -> megatron-core ``OptimizerConfig`` (``optimizer.cpu_offload``/``offload_fraction`` ->
+    ``optimizer_cpu_offload``/``optimizer_offload_fraction``).
 
     ``optimizer.clip_grad=0`` means "do not clip"; the norm is still computed (max norm = inf) so every
     step can log it.
@@ -119,6 +150,13 @@ def optimizer_config(cfg: RunConfig):
         params_dtype=params_dtype(cfg),
         use_distributed_optimizer=o.use_distributed_optimizer,
         overlap_param_gather=cfg.parallel.overlap_param_gather,
+        # megatron-core 0.16 optimizer_config.py: HybridDeviceOptimizer keeps optimizer_offload_fraction of
+        # the (sharded) fp32 state and its step on the host; AdamW mode (decoupled_weight_decay) required.
+        optimizer_cpu_offload=o.cpu_offload,
+        optimizer_offload_fraction=o.offload_fraction if o.cpu_offload else 0.0,
+        # Megatron-LM requires it with optimizer_cpu_offload: HybridDeviceOptimizer reuses that code path
+        # (its __post_init__ then skips the TE FusedAdam check; constructing it still asks TE's version)
+        use_precision_aware_optimizer=o.cpu_offload,
     )
 
 
