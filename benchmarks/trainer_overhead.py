@@ -39,6 +39,8 @@ def hand_written_loop(cfg, batches: List[dict]):
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer)
     model = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
     config.finalize_model_grads_func = finalize_model_grads
+    from megatron_recipes.config import derived
+
     o = cfg.optimizer
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer=o.name, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
@@ -46,7 +48,7 @@ def hand_written_loop(cfg, batches: List[dict]):
                         use_distributed_optimizer=o.use_distributed_optimizer, bf16=config.bf16, params_dtype=config.params_dtype),
         model,
     )
-    scheduler = OptimizerParamScheduler(optimizer, 0.0, o.lr, o.min_lr, o.lr_warmup_iters, cfg.train.train_iters, o.lr_decay_style,
+    scheduler = OptimizerParamScheduler(optimizer, 0.0, o.lr, o.min_lr, derived.lr_warmup_iters(cfg), cfg.train.train_iters, o.lr_decay_style,
                                          o.weight_decay, o.weight_decay, cfg.train.train_iters, "constant")
     forward_backward = get_forward_backward_func()
     t = cfg.train

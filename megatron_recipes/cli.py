@@ -14,6 +14,7 @@ from megatron_recipes.config.errors import RecipeError
 SUBCOMMANDS = {
     "train": ("megatron_recipes.training.cli:main", "train a recipe (torchrun, or self-spawned CPU ranks)"),
     "plan": ("megatron_recipes.topology.cli:main", "validate a recipe, print its layout, groups and memory"),
+    "check": ("megatron_recipes.check.cli:main", "prove a recipe's parallel layout on CPU ranks against one rank"),
     "convert": ("megatron_recipes.convert.cli:main", "HF <-> Megatron checkpoints: import, export, verify"),
     "data": ("megatron_recipes.data.cli:main", "preprocess corpora, build index caches"),
     "slurm": ("megatron_recipes.launch.cli:main", "render or submit sbatch scripts"),

@@ -33,7 +33,7 @@ def test_fine_tuning_recipes_compose_and_pass_every_rule(recipe):
 
 @pytest.mark.parametrize("recipe", FINE_TUNING)
 def test_fine_tuning_recipes_require_a_pretrained_base(recipe):
-    found = {v.rule_id: v.message for v in validate(compose_recipe(recipe, INPUTS[1:]))}
+    found = {v.rule_id: v.message for v in validate(compose_recipe(recipe, INPUTS[1:] + ["checkpoint.pretrained=null"]))}
     assert "random weights" in found.get("peft.needs_pretrained", ""), found
 
 

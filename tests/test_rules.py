@@ -109,7 +109,7 @@ CASES: Dict[str, Case] = {
     "precision.fp8_gemm_shapes": (L70, ("precision=fp8_delayed", "model.ffn_hidden_size=28680"), ("precision=fp8_tensorwise",)),
     "recompute.values": (TINY, ("train.recompute=partial",), ("train.recompute=selective",)),
     "recompute.num_layers": (TINY, ("train.recompute=full", "train.recompute_num_layers=5"), ("train.recompute=full", "train.recompute_num_layers=4")),
-    "batch.positive": (TINY, ("train.train_iters=0",), ()),
+    "batch.positive": (TINY, ("train.train_iters=-1",), ("train.train_iters=0",)),
     "batch.global_divisible": (TINY, ("train.global_batch_size=12",), ("train.global_batch_size=24",)),
     "optimizer.name": (TINY, ("optimizer.name=lion",), ("optimizer=sgd",)),
     "optimizer.distributed_needs_adam": (
@@ -117,6 +117,7 @@ CASES: Dict[str, Case] = {
     ),
     "optimizer.learning_rate": (TINY, ("optimizer.min_lr=1.0",), ()),
     "optimizer.schedule": (TINY, ("optimizer.lr_warmup_iters=300",), ("optimizer.lr_warmup_iters=299",)),
+    "optimizer.warmup_fraction": (TINY, ("optimizer.lr_warmup_fraction=1.0",), ("optimizer.lr_warmup_fraction=0.5", "train.train_iters=1")),
     "optimizer.hyperparameters": (TINY, ("optimizer.adam_beta2=1.0",), ("optimizer.adam_beta2=0.999",)),
     "optimizer.overlap_needs_distributed": (
         TINY,

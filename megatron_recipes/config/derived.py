@@ -75,6 +75,16 @@ def lr_decay_iters(cfg: RunConfig) -> int:
     return cfg.optimizer.lr_decay_iters or cfg.train.train_iters
 
 
+def lr_warmup_iters(cfg: RunConfig) -> int:
+    """Warm-up steps: ``lr_warmup_iters`` when set, else ``floor(lr_warmup_fraction * decay horizon)``, else 0."""
+    o = cfg.optimizer
+    if o.lr_warmup_iters is not None:
+        return o.lr_warmup_iters
+    if o.lr_warmup_fraction is not None:
+        return int(math.floor(o.lr_warmup_fraction * lr_decay_iters(cfg)))
+    return 0
+
+
 def virtual_pipeline_size(cfg: RunConfig) -> int:
     return cfg.parallel.vpp or 1
 

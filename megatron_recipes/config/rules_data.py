@@ -91,8 +91,8 @@ def _split(cfg: RunConfig) -> Optional[str]:
 @rule(
     "data.sft_needs_path",
     ["data.kind", "data.sft_path", "data.overlong_policy"],
-    "SFT data names its JSONL file; overlong_policy is truncate or drop",
-    "set data.sft_path=/path/to/train.jsonl",
+    "SFT data names its JSONL file (or builtin: the generated chat set); overlong_policy is truncate or drop",
+    "set data.sft_path=/path/to/train.jsonl, or data.sft_path=builtin",
 )
 def _sft(cfg: RunConfig) -> Optional[str]:
     d = cfg.data

@@ -17,13 +17,15 @@ DECAY_STYLES = ("cosine", "linear", "constant")
 @rule(
     "batch.positive",
     ["train.global_batch_size", "train.micro_batch_size", "train.seq_length", "train.train_iters"],
-    "batch sizes, sequence length and iteration count are >= 1",
-    "set them to positive integers",
+    "batch sizes and sequence length are >= 1; train_iters >= 0 (0 writes a step-0 seed checkpoint and stops)",
+    "set them to positive integers (train.train_iters=0 only for a seed checkpoint)",
 )
 def _batch_positive(cfg: RunConfig) -> Optional[str]:
     t = cfg.train
-    bad = [f"train.{n}={getattr(t, n)}" for n in ("global_batch_size", "micro_batch_size", "seq_length", "train_iters") if getattr(t, n) < 1]
-    return f"{', '.join(bad)} must be >= 1" if bad else None
+    bad = [f"train.{n}={getattr(t, n)} must be >= 1" for n in ("global_batch_size", "micro_batch_size", "seq_length") if getattr(t, n) < 1]
+    if t.train_iters < 0:
+        bad.append(f"train.train_iters={t.train_iters} must be >= 0")
+    return ", ".join(bad) if bad else None
 
 
 @rule(
@@ -131,9 +133,25 @@ def _schedule(cfg: RunConfig) -> Optional[str]:
     decay = derived.lr_decay_iters(cfg)
     if o.lr_decay_iters is not None and o.lr_decay_iters < 1:
         return f"optimizer.lr_decay_iters={o.lr_decay_iters} must be >= 1 (or null for train.train_iters)"
+    if o.lr_warmup_iters is None or cfg.train.train_iters == 0:
+        return None  # a seed checkpoint takes no step; a fraction (rule optimizer.warmup_fraction) always ends before the horizon
     if o.lr_warmup_iters < 0 or (o.lr_warmup_iters >= decay and o.lr_decay_style != "constant"):
         return f"optimizer.lr_warmup_iters={o.lr_warmup_iters} must be in [0, {decay}) (the decay horizon)"
     return None
+
+
+@rule(
+    "optimizer.warmup_fraction",
+    ["optimizer.lr_warmup_fraction", "optimizer.lr_warmup_iters"],
+    "lr_warmup_fraction is in [0, 1): warm-up lasts floor(fraction x decay horizon) steps "
+    "(an explicit lr_warmup_iters, when set, is used instead)",
+    "set optimizer.lr_warmup_fraction between 0 and 1 (e.g. 0.02), or null to use optimizer.lr_warmup_iters",
+)
+def _warmup_fraction(cfg: RunConfig) -> Optional[str]:
+    f = cfg.optimizer.lr_warmup_fraction
+    if f is None or 0 <= f < 1:
+        return None
+    return f"optimizer.lr_warmup_fraction={f} must be in [0, 1)"
 
 
 @rule(
@@ -176,6 +194,7 @@ TRAIN_RULES = [
     _distributed_needs_adam,
     _lr,
     _schedule,
+    _warmup_fraction,
     _hyper,
     _overlap,
 ]

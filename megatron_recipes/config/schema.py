@@ -176,7 +176,7 @@ class DataConfig:
     builtin_max_files: int = 600  # builtin corpus: how many stdlib files to read
     builtin_vocab_size: int = 4096
     # SFT
-    sft_path: Optional[str] = None
+    sft_path: Optional[str] = None  # a JSONL file, or "builtin": the generated chat set with checkable answers
     sft_valid_path: Optional[str] = None
     chat_template: Optional[str] = None  # None -> the tokenizer's own; or a template shipped with the project
     answer_only_loss: bool = True
@@ -195,7 +195,10 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.0
     clip_grad: float = 1.0
-    lr_warmup_iters: int = 0
+    # Warm-up length: absolute steps when set (wins), else a fraction of the decay horizon (Megatron-LM's
+    # --lr-warmup-fraction), so a shorter train.train_iters needs no second override.
+    lr_warmup_iters: Optional[int] = None
+    lr_warmup_fraction: Optional[float] = None
     lr_decay_style: str = "cosine"  # cosine | linear | constant
     lr_decay_iters: Optional[int] = None  # None -> train.train_iters
     use_distributed_optimizer: bool = True

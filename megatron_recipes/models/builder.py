@@ -77,7 +77,12 @@ def _mtp_spec(cfg: RunConfig, config, block_spec, vp_stage: Optional[int], use_t
         return None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    return get_gpt_mtp_block_spec(config, block_spec.layer_specs[-1], use_transformer_engine=use_te, vp_stage=vp_stage)
+    spec = get_gpt_mtp_block_spec(config, block_spec.layer_specs[-1], use_transformer_engine=use_te, vp_stage=vp_stage)
+    if spec is not None and not use_te:  # the MTP block's own norms need the same SP-capable swap as the decoder's
+        from megatron_recipes.models.local_spec import adapt_local_spec
+
+        spec = adapt_local_spec(spec, config)
+    return spec
 
 
 def build_gpt_model(

@@ -15,6 +15,7 @@ import torch
 
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.training import checkpoint
+from megatron_recipes.training import checkpoint_store as store
 
 
 def latest(cfg: RunConfig) -> Optional[Path]:
@@ -31,9 +32,32 @@ def save(cfg: RunConfig, step: int, consumed_samples: int, model, optimizer, sch
     )
 
 
+def save_seed(cfg: RunConfig, model) -> Path:
+    """A weights-only checkpoint of step 0 (``train.train_iters=0``): the starting point of any layout."""
+    state = {"step": 0, "consumed_samples": 0}
+    return checkpoint.save_checkpoint(
+        checkpoint.checkpoints_root(cfg), 0, model, None, None, state, cfg, keep_last=cfg.checkpoint.keep_last
+    )
+
+
+def _is_seed(path: Path) -> bool:
+    """A weights-only step-0 checkpoint, as ``train.train_iters=0`` writes."""
+    meta = store.read_meta(path)
+    return int(meta.get("step", -1)) == 0 and not meta.get("contents", {}).get("optimizer")
+
+
 def resume(cfg: RunConfig, model, optimizer, scheduler) -> Optional[Dict[str, Any]]:
-    """Load what the recipe asks for; the saved loop state when resuming, None on a fresh start."""
+    """Load what the recipe asks for; the saved loop state when resuming, None on a fresh start.
+
+    With ``checkpoint.load=auto``, a run whose only checkpoint is its own seed (``train.train_iters=0`` in
+    the same run.dir) starts from the seed's weights, as ``checkpoint.pretrained`` would.
+    """
     path = checkpoint.resolve_load(cfg)
+    if path is not None and str(cfg.checkpoint.load).strip().lower() == "auto" and _is_seed(path):
+        checkpoint.load_weights(path, model, cfg)
+        if torch.distributed.get_rank() == 0:
+            print(f"initial weights from this run's seed checkpoint {path}", flush=True)
+        return None
     if path is not None:
         state = checkpoint.load_checkpoint(path, model, optimizer, scheduler, cfg=cfg)
         if torch.distributed.get_rank() == 0:

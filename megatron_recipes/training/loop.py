@@ -65,7 +65,22 @@ def preflight(cfg: RunConfig) -> None:
         try:
             checkpoint_store.resolve_dir(Path(cfg.checkpoint.pretrained))
         except RecipeError as exc:
-            raise RecipeError(f"checkpoint.pretrained={cfg.checkpoint.pretrained}: {exc.message}", fix=exc.fix) from None
+            raise RecipeError(
+                f"checkpoint.pretrained={cfg.checkpoint.pretrained}: {exc.message}", fix=_producer_hint(cfg) or exc.fix
+            ) from None
+
+
+def _producer_hint(cfg: RunConfig) -> Optional[str]:
+    """For a start checkpoint under ``runs/<recipe>/checkpoints``: the command that writes it."""
+    from megatron_recipes.config.compose import list_recipes
+
+    path = Path(cfg.checkpoint.pretrained)
+    if path.name != checkpoint.CHECKPOINTS or path.parent.name not in list_recipes():
+        return None
+    return (
+        f"run the job that writes it first: `megatron-recipes train {path.parent.name}` (run from this folder), "
+        f"or set checkpoint.pretrained=<your checkpoint>"
+    )
 
 
 def write_config(cfg: RunConfig, run_dir: Path) -> None:
@@ -130,7 +145,9 @@ class Trainer:
         optim.configure_schedule_hooks(self.model)
         self.optimizer = optim.build_optimizer(self.cfg, self.model)
         self.scheduler = optim.build_scheduler(self.cfg, self.optimizer)
-        self.forward_step = step.make_forward_step(self.device, capabilities.use_transformer_engine())
+        self.forward_step = step.make_forward_step(
+            self.device, capabilities.use_transformer_engine(), mtp=bool(self.cfg.model.mtp_num_layers)
+        )
 
     def resume(self) -> int:
         """Step to continue from: a checkpoint's (restoring everything), else 0 (maybe from pretrained)."""
@@ -161,12 +178,37 @@ class Trainer:
 
     # ----- the loop -----------------------------------------------------------------------------
     def fit(self) -> int:
+        if self.cfg.train.train_iters == 0:
+            return self.write_seed()
         self.setup()
         while self.step < self.cfg.train.train_iters:
             if self.advance():
                 return 0
         self.save()
         self._finish()
+        return 0
+
+    def write_seed(self) -> int:
+        """``train.train_iters=0``: the step-0 weights as a weights-only checkpoint, then stop.
+
+        Every layout started from it with ``checkpoint.pretrained`` holds the same weights (each layout's own
+        initialisation differs: pipeline stages build different layers), so layouts compare step for step.
+        """
+        from megatron_recipes.models.builder import build_model_chunks
+        from megatron_recipes.peft.state import peft_active
+
+        if peft_active(self.cfg):
+            raise RecipeError(
+                f"train.train_iters=0 writes a seed checkpoint of the base model, but peft.method={self.cfg.peft.method}",
+                fix="write the seed with the pretraining recipe (or peft=none); fine-tuning starts from its base weights",
+            )
+        model = optim.wrap_model(self.cfg, build_model_chunks(self.cfg))
+        path = checkpointing.save_seed(self.cfg, model)
+        self._say(
+            f"seed checkpoint (step-0 weights, {self.cfg.model.name}) written: {path}\n"
+            f"  start any layout from it: megatron-recipes train {self.cfg.run.name} checkpoint.pretrained={path} "
+            "run.dir=<another run dir> parallel.tp=... parallel.pp=..."
+        )
         return 0
 
     def setup(self) -> None:
@@ -181,6 +223,7 @@ class Trainer:
             self._announce()
         self.preemption.clear_marker()
         self.window = Window()
+        self._evaluate_start()
 
     def advance(self) -> bool:
         """One training step and whatever is due after it; True when the run must stop here (cleanly)."""
@@ -220,7 +263,7 @@ class Trainer:
         if self._due(cfg.logging.log_interval):
             data.update(self._train_metrics(result, window))
         if self._due(cfg.logging.eval_interval) and cfg.logging.eval_iters > 0 and self.valid_ds is not None:
-            data["val_loss"] = self.evaluate()
+            data.update(self.evaluate_metrics())
         if data and self.sink is not None:
             self.sink.log(self.step, data)
             self._print(data)
@@ -243,9 +286,30 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Validation loss over the same first ``eval_iters`` global batches every time (comparable curve)."""
+        return self.evaluate_metrics()["val_loss"]
+
+    def evaluate_metrics(self) -> Dict[str, Any]:
+        """``val_loss``, and for SFT data ``task_accuracy``: the share of validation answers greedy decoding
+        reproduces exactly (step.answer_counts). Not with CP, whose ranks each hold part of an answer."""
         optim.finish_param_sync(self.model)  # deferred all-gathers (overlap_param_gather) first
         iterators = self._iterators(self.valid_ds, 0)
-        return step.evaluate(self.cfg, self.model, iterators, self.forward_step, self.device, self.cfg.logging.eval_iters)
+        loss, accuracy = step.evaluate_with_accuracy(
+            self.cfg, self.model, iterators, self.forward_step, self.device, self.cfg.logging.eval_iters
+        )
+        out: Dict[str, Any] = {"val_loss": loss}
+        if self.cfg.data.kind == "sft" and self.cfg.parallel.cp == 1 and accuracy is not None:
+            out["task_accuracy"] = accuracy
+        return out
+
+    def _evaluate_start(self) -> None:
+        """Fine-tuning from step 0: the validation loss and task accuracy before any update (the baseline)."""
+        cfg = self.cfg
+        if self.step != 0 or cfg.data.kind != "sft" or cfg.logging.eval_iters < 1 or self.valid_ds is None:
+            return
+        data = self.evaluate_metrics()
+        if self.sink is not None:
+            self.sink.log(0, data)
+            self._print(data)
 
     def _stop_if_diverged(self, result: step.StepResult) -> None:
         bad = [
@@ -262,7 +326,7 @@ class Trainer:
         raise TrainingDiverged(
             f"training diverged at step {self.step}: {' and '.join(bad)} = "
             f"{result.loss if 'loss' in bad else result.grad_norm} (not a finite number); {kept}",
-            fix="lower optimizer.lr, raise optimizer.lr_warmup_iters, keep optimizer.clip_grad > 0, or use "
+            fix="lower optimizer.lr, raise optimizer.lr_warmup_fraction (or lr_warmup_iters), keep optimizer.clip_grad > 0, or use "
             "precision=bf16/fp32 instead of fp16; the next start resumes from the kept checkpoint",
         )
 
@@ -311,7 +375,7 @@ class Trainer:
 
     def _print(self, data: Dict[str, Any]) -> None:
         parts = [f"step {self.step:>6}/{self.cfg.train.train_iters}"]
-        fmt = {"loss": "{:.4f}", "val_loss": "{:.4f}", "lr": "{:.3e}", "grad_norm": "{:.3f}", "tokens_per_sec": "{:,.0f}"}
+        fmt = {"loss": "{:.4f}", "val_loss": "{:.4f}", "task_accuracy": "{:.1%}", "lr": "{:.3e}", "grad_norm": "{:.3f}", "tokens_per_sec": "{:,.0f}"}
         for key, spec in fmt.items():
             if isinstance(data.get(key), (int, float)):
                 parts.append(f"{key} {spec.format(data[key])}")
@@ -334,11 +398,14 @@ class Trainer:
         records = sinks.step_records(self.run_dir / sinks.LOG_NAME)
         losses = [r["data"]["loss"] for r in records if isinstance(r["data"].get("loss"), (int, float))]
         vals = [r["data"]["val_loss"] for r in records if isinstance(r["data"].get("val_loss"), (int, float))]
+        accs = [r["data"]["task_accuracy"] for r in records if isinstance(r["data"].get("task_accuracy"), (int, float))]
         lines = [f"done: {self.step} steps; run dir {self.run_dir}"]
         if losses:
             lines.append(f"  train loss: first logged {losses[0]:.4f} -> last logged {losses[-1]:.4f} nats/token")
         if vals:
             lines.append(f"  validation loss: {vals[-1]:.4f} nats/token")
+        if accs:
+            lines.append(f"  task accuracy (validation answers reproduced exactly): {accs[0]:.1%} -> {accs[-1]:.1%}")
         if self.entropy is not None:
             lines.append(f"  unigram entropy of the corpus: {self.entropy:.4f} nats/token (a model ignoring context)")
         latest = checkpointing.latest(self.cfg)

@@ -179,13 +179,14 @@ def build_scheduler(cfg: RunConfig, optimizer):
         raise RecipeError(
             f"optimizer.lr_decay_style={o.lr_decay_style!r} is not supported", fix=f"use one of {', '.join(_DECAY_STYLES)}"
         )
-    decay = max(derived.lr_decay_iters(cfg), o.lr_warmup_iters + 1)
+    warmup = derived.lr_warmup_iters(cfg)
+    decay = max(derived.lr_decay_iters(cfg), warmup + 1)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if o.lr_warmup_iters > 0 else o.lr,
+        init_lr=0.0 if warmup > 0 else o.lr,
         max_lr=o.lr,
         min_lr=o.min_lr if o.lr_decay_style != "constant" else o.lr,
-        lr_warmup_steps=o.lr_warmup_iters,
+        lr_warmup_steps=warmup,
         lr_decay_steps=decay,
         lr_decay_style=o.lr_decay_style,
         start_wd=o.weight_decay,

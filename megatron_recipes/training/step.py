@@ -18,6 +18,8 @@ from megatron_recipes.config import derived
 from megatron_recipes.config.schema import RunConfig
 
 LOSS_KEY = "lm loss"
+ANSWER_KEY = "answers"  # [answers the model gets right, answers], for SFT task accuracy
+_LN2 = 0.6931471805599453
 
 
 @dataclass
@@ -36,7 +38,26 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     loss_sum = torch.sum(losses * mask)
     num_tokens = mask.sum().to(torch.int)
     report = torch.stack([loss_sum.detach().double(), num_tokens.detach().double()])
-    return loss_sum, num_tokens, {LOSS_KEY: report}
+    return loss_sum, num_tokens, {LOSS_KEY: report, ANSWER_KEY: answer_counts(loss_mask, output_tensor)}
+
+
+@torch.no_grad()
+def answer_counts(loss_mask: torch.Tensor, per_token_loss: torch.Tensor) -> torch.Tensor:
+    """[right, total] over answers: runs of loss-bearing tokens in a row (answer-only SFT loss).
+
+    An answer is right when each of its tokens has probability > 1/2 (loss < ln 2), so it is the model's
+    most likely token and greedy decoding reproduces the whole answer. A lower bound on exact-match
+    accuracy, computed from the per-token losses every layout already has on its last stage.
+    """
+    mask = loss_mask.reshape(loss_mask.shape[0], -1) > 0
+    losses = per_token_loss.detach().float().reshape(mask.shape)
+    before = torch.zeros_like(mask)
+    before[:, 1:] = mask[:, :-1]
+    starts = mask & ~before
+    run_id = torch.cumsum(starts.reshape(-1).long(), 0).reshape(mask.shape)
+    wrong = torch.unique(run_id[mask & (losses >= _LN2)]).numel()
+    total = int(starts.sum())
+    return torch.tensor([total - wrong, total], dtype=torch.float64)
 
 
 def _chunk_stages(model: torch.nn.Module):
@@ -62,18 +83,21 @@ def _attention_inputs(batch: Dict[str, torch.Tensor], device: torch.device, use_
     return {"attention_mask": attention.packed_attention_mask(segments)}
 
 
-def make_forward_step(device: torch.device, use_te: bool):
+def make_forward_step(device: torch.device, use_te: bool, mtp: bool = False):
     """The ``forward_step_func`` the schedules call once per microbatch and model chunk.
 
     Every chunk reads its own iterator on every microbatch (so all iterators stay at the same sample),
-    but only moves to the device what its stage uses: tokens on the first stage, labels on the last.
+    but only moves to the device what its stage uses: tokens on the first stage, labels on the last, and
+    with multi-token prediction (``mtp``) tokens on the last stage too: the MTP block there embeds the
+    shifted input ids itself.
     """
 
     def forward_step(data_iterator: Iterator[Dict[str, torch.Tensor]], model: torch.nn.Module):
         batch = next(data_iterator)
         first, last = _chunk_stages(model)
-        tokens = batch["tokens"].to(device, non_blocking=True) if first else None
-        position_ids = batch["position_ids"].to(device, non_blocking=True) if first else None
+        needs_ids = first or (last and mtp)
+        tokens = batch["tokens"].to(device, non_blocking=True) if needs_ids else None
+        position_ids = batch["position_ids"].to(device, non_blocking=True) if needs_ids else None
         labels = batch["labels"].to(device, non_blocking=True) if last else None
         loss_mask = batch["loss_mask"].to(device, non_blocking=True) if last else None
         output = model(tokens, position_ids, labels=labels, **_attention_inputs(batch, device, use_te))
@@ -82,14 +106,15 @@ def make_forward_step(device: torch.device, use_te: bool):
     return forward_step
 
 
-def _reduce_losses(losses: Sequence[Dict[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
-    """[loss_sum, tokens] over microbatches, then data-parallel ranks, then copied to every pipeline stage."""
+def _reduce_losses(losses: Sequence[Dict[str, torch.Tensor]], device: torch.device, key: str = LOSS_KEY) -> torch.Tensor:
+    """[loss_sum, tokens] (or another 2-vector report) over microbatches, then data-parallel ranks, then
+    copied to every pipeline stage."""
     from megatron.core import parallel_state
 
     total = torch.zeros(2, dtype=torch.float64, device=device)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         for item in losses:
-            total += item[LOSS_KEY].to(device)
+            total += item[key].to(device)
     torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # only the last stage holds non-zeros
         torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
@@ -135,15 +160,24 @@ def train_step(cfg: RunConfig, model, optimizer, scheduler, iterators, forward_s
 @torch.no_grad()
 def evaluate(cfg: RunConfig, model, iterators, forward_step, device, num_iters: int) -> float:
     """Mean per-token loss over ``num_iters`` global batches, forward only."""
+    return evaluate_with_accuracy(cfg, model, iterators, forward_step, device, num_iters)[0]
+
+
+@torch.no_grad()
+def evaluate_with_accuracy(cfg: RunConfig, model, iterators, forward_step, device, num_iters: int):
+    """(mean per-token loss, answer accuracy or None when no answer was seen) over ``num_iters`` batches."""
     for chunk in model:
         chunk.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
+    answers = torch.zeros(2, dtype=torch.float64, device=device)
     try:
         for _ in range(num_iters):
             losses = _run_schedule(cfg, model, iterators, forward_step, forward_only=True)
             total += _reduce_losses(losses, device)
+            answers += _reduce_losses(losses, device, ANSWER_KEY)
     finally:
         for chunk in model:
             chunk.train()
     loss_sum, tokens = total.tolist()
-    return loss_sum / max(tokens, 1.0)
+    right, seen = answers.tolist()
+    return loss_sum / max(tokens, 1.0), (right / seen if seen else None)

@@ -173,12 +173,15 @@ def build_sft_datasets(cfg: RunConfig, tokenizer):
 
     if not cfg.data.sft_path:
         raise RecipeError("data.kind=sft needs data.sft_path", fix="set data.sft_path=/path/to/train.jsonl")
+    from megatron_recipes.data.sft.builtin_tasks import resolve_paths
+
     sizes = dataset_sizes(cfg)
-    train, train_summary = sft_dataset(cfg.data.sft_path, cfg, tokenizer, sizes[0])
+    train_path, valid_path = resolve_paths(cfg.data.sft_path, cfg.data.sft_valid_path, cfg.data.cache_dir)
+    train, train_summary = sft_dataset(train_path, cfg, tokenizer, sizes[0])
     summaries = {"train": train_summary}
     valid = None
-    if cfg.data.sft_valid_path and sizes[1]:
-        valid, summaries["valid"] = sft_dataset(cfg.data.sft_valid_path, cfg, tokenizer, sizes[1], seed_offset=1)
+    if valid_path and sizes[1]:
+        valid, summaries["valid"] = sft_dataset(valid_path, cfg, tokenizer, sizes[1], seed_offset=1)
     _announce(summaries)
     return train, valid, None, summaries
 

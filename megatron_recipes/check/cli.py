@@ -1,0 +1,228 @@
+"""``megatron-recipes check <recipe> [overrides]``: prove a recipe's parallel layout on CPU ranks.
+
+Shrinks the model (check/shrink.py), writes one step-0 seed checkpoint, trains a few steps at the recipe's
+layout and on one rank from that seed, and compares the per-step losses and gradient norms; then resumes
+the layout's checkpoint on one rank (resharding, optimizer state included) and compares the steps after
+it. Exit 0: the layout is proven; 1: it trains differently from one rank (or a run failed); 2: recipe error.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from megatron_recipes.check import compare, runs
+from megatron_recipes.check.shrink import LAYERS_PER_CHUNK, Shrunk, shrink
+from megatron_recipes.cli_args import split_args
+from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.config.schema import RunConfig
+
+PROG = "megatron-recipes check"
+FLAGS = {"max-ranks": True, "dir": True, "steps": True, "rtol": True, "timeout": True, "full-depth": False}
+# Adam as SGD: beta1=0 and eps=1e4 make lr*g/(sqrt(v)+eps) equal to (lr/eps)*g within 1e-5, so float32
+# rounding is added, not amplified (Adam's m/sqrt(v) would blow it up), through the recipe's own optimizer
+# class (the distributed optimizer when the recipe uses it). clip_grad huge: the norm is computed
+# across every model-parallel group and logged, but never clips.
+OPTIMIZER = [
+    "optimizer.name=adam", "optimizer.lr=1000.0", "optimizer.min_lr=1000.0", "optimizer.adam_beta1=0.0",
+    "optimizer.adam_eps=10000.0", "optimizer.weight_decay=0.0", "optimizer.clip_grad=1.0e9",
+    "optimizer.lr_warmup_iters=0", "optimizer.lr_warmup_fraction=null", "optimizer.lr_decay_style=constant",
+    "optimizer.lr_decay_iters=null",
+]
+QUIET = ["logging.log_interval=1", "logging.eval_interval=100000", "logging.eval_iters=0", "logging.plot=false",
+         "logging.tensorboard=false", "logging.wandb_project=null"]
+# Inputs the check brings itself (its seed checkpoint and data), so a recipe is not refused for lacking them.
+INPUT_RULES = ("data.sft_needs_path", "peft.needs_pretrained")
+MOCK = ["data=mock", "data.builtin_max_files=80", "data.builtin_vocab_size=600"]
+
+
+def context_parallel_unproven(cfg: RunConfig) -> Optional[str]:
+    """Why this build cannot run ``cfg``'s CP>1 layout on CPU ranks (None when it can).
+
+    The one place the check decides about context parallelism: it asks the project's own rule table and
+    capability checks, so it flips by itself once CP runs on the CPU lane.
+    """
+    if cfg.parallel.cp <= 1:
+        return None
+    from megatron_recipes.config.validate import validate
+    from megatron_recipes.models.capabilities import unmet_requirements
+
+    reasons = [v.message for v in validate(cfg) if v.rule_id.startswith("cp.")]
+    reasons += [r for r in unmet_requirements(cfg) if "parallel.cp" in r]
+    return "; ".join(reasons) or None
+
+
+def _data(cfg: RunConfig) -> List[str]:
+    """The recipe's own data when it runs here without files (built-in corpus or chat set); else mock tokens."""
+    if cfg.data.kind == "builtin" and cfg.model.hidden_size <= 256:
+        return []
+    if cfg.data.kind == "sft" and cfg.data.tokenizer == "builtin" and cfg.model.hidden_size <= 256 and _builtin_sft(cfg):
+        return []
+    return MOCK
+
+
+def _builtin_sft(cfg: RunConfig) -> bool:
+    return not cfg.data.sft_path or str(cfg.data.sft_path).startswith("builtin")
+
+
+def _compose(recipe: str, overrides: Sequence[str]) -> RunConfig:
+    from megatron_recipes.config.compose import compose_recipe
+
+    return compose_recipe(recipe, list(overrides))
+
+
+def _validated(recipe: str, overrides: Sequence[str], what: str) -> RunConfig:
+    from megatron_recipes.config.validate import validate_or_raise
+    from megatron_recipes.models.capabilities import require_supported
+
+    cfg = _compose(recipe, overrides)
+    try:
+        validate_or_raise(cfg, f"{recipe} ({what})")
+        require_supported(cfg)
+    except RecipeError as exc:
+        raise RecipeError(f"the check's {what} of {recipe} is not valid: {exc.render()}",
+                          fix="the shrinking could not keep this layout valid; file the message above with the recipe") from None
+    return cfg
+
+
+def _int_flag(args, name: str, default: int) -> int:
+    value = args.flags.get(name, default)
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise RecipeError(f"{PROG}: --{name}={value} is not an integer", fix=f"--{name} {default}") from None
+
+
+def plan_runs(recipe: str, user: Sequence[str], max_ranks: int, steps: int, stop: int, out: Optional[Path] = None,
+              full_depth: bool = False):
+    """(recipe cfg, Shrunk, per-run overrides, notes): everything decided before a process starts.
+
+    ``out`` (default ``runs/check/<run name>``) holds the four runs: seed, reference, layout, reshard."""
+    from megatron_recipes.config.validate import validate_or_raise
+
+    cfg = _compose(recipe, user)
+    validate_or_raise(cfg, recipe, skip=INPUT_RULES)  # the recipe as written, on its own cluster
+    small = shrink(cfg, max_ranks, None if full_depth else LAYERS_PER_CHUNK)
+    notes = list(small.notes)
+    env = ["cluster=local_cpu", "cluster.nodes=1", "precision=fp32", *_data(cfg), *OPTIMIZER, *QUIET,
+           "checkpoint.save_interval=100000", "train.exit_interval=null"]
+    if cfg.precision.params_dtype != "fp32" or cfg.precision.fp8 or cfg.precision.fp4:
+        notes.append(f"precision {cfg.precision.name} -> fp32: the CPU lane trains in float32 (bf16 and FP8 are GPU-side)")
+    if _data(cfg):
+        was = "" if cfg.data.kind == "mock" else f"data {cfg.data.kind} -> "
+        notes.append(f"{was}mock tokens (megatron-core's MockGPTDataset): the layout, not the data, is checked")
+    base = [*user, *env]
+    layout = [*base, *small.layout]
+    reference = [*base, *small.reference]
+    for over in (layout, reference):
+        over.append(f"train.train_iters={steps}")
+    planned = {
+        "seed": [*reference[:-1], *(["peft=none"] if cfg.peft.method != "none" else []), "train.train_iters=0", "checkpoint.pretrained=null", "checkpoint.load=none"],
+        "reference": [*reference, "checkpoint.save=false", "checkpoint.load=none"],
+        "layout": [*layout, f"train.exit_interval={stop}", "checkpoint.save=true", "checkpoint.load=none"],
+        "reshard": [*reference, "checkpoint.save=false"],
+    }
+    out = Path(out or f"runs/check/{cfg.run.name}").expanduser().resolve()
+    seed = out / "seed" / "checkpoints"
+    planned["reference"].append(f"checkpoint.pretrained={seed}")
+    planned["layout"].append(f"checkpoint.pretrained={seed}")
+    planned["reshard"] += [f"checkpoint.pretrained={seed}", f"checkpoint.load={out / 'layout' / 'checkpoints'}"]
+    return cfg, small, planned, notes, out
+
+
+def main(argv: List[str]) -> int:
+    from megatron_recipes.training.cli import quiet_known_warnings
+
+    quiet_known_warnings()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: {PROG} <recipe> [key=value ...] [--max-ranks 8] [--steps 6] [--rtol 1e-5] [--dir DIR] [--full-depth]\n\n{__doc__}")
+        return 0
+    args = split_args(argv, PROG, FLAGS)
+    max_ranks, steps = _int_flag(args, "max-ranks", 8), _int_flag(args, "steps", 6)
+    timeout = _int_flag(args, "timeout", 900)
+    rtol = float(args.flags.get("rtol", 1e-5))
+    if steps < 3:
+        raise RecipeError(f"{PROG}: --steps={steps} is too few", fix="use --steps 3 or more (the reshard resumes before the last two)")
+    stop = steps - 2
+    given = args.flags.get("dir")
+    cfg, small, planned, notes, out = plan_runs(
+        args.recipe, args.overrides, max_ranks, steps, stop, Path(given) if given else None, bool(args.flags.get("full-depth"))
+    )
+    layout_cfg = _compose(args.recipe, planned["layout"])
+
+    print(f"check {args.recipe}: recipe layout {small.original.text(cfg.parallel.vpp)}")
+    print(f"  checked layout {small.degrees.text(layout_cfg.parallel.vpp)}, SP={'on' if layout_cfg.parallel.sp else 'off'}, "
+          f"{layout_cfg.model.num_layers} layers, seq {layout_cfg.train.seq_length}, "
+          f"{layout_cfg.train.global_batch_size} sequences per step; CPU lane (gloo), float32")
+    for note in notes:
+        print(f"  - {note}")
+    why = context_parallel_unproven(layout_cfg)
+    if why:
+        print(f"verdict: CANNOT PROVE YET: the layout has CP={layout_cfg.parallel.cp}, which this build cannot run on "
+              f"CPU ranks ({why}). Nothing was trained.", file=sys.stderr)
+        return 2
+    _validated(args.recipe, planned["layout"], "shrunk layout")
+    _validated(args.recipe, planned["reference"], "one-rank reference")
+    if out.exists():
+        shutil.rmtree(out)
+    print(f"  runs in {out} (one log per run):", flush=True)
+    results = {}
+    for name in ("seed", "reference", "layout", "reshard"):
+        if name == "reshard" and results["layout"].returncode != 0:
+            break
+        results[name] = result = runs.train(name, args.recipe, planned[name], out / name, timeout)
+        print(f"  {name:<9} exit {result.returncode} in {result.seconds:.1f}s", flush=True)
+        if result.returncode != 0:
+            tail = "\n    ".join(result.output.strip().splitlines()[-15:])
+            print(f"    last lines of {out / (name + '.log')}:\n    {tail}", file=sys.stderr)
+            if name != "layout" or result.returncode == runs.RECIPE_ERROR:
+                code = runs.RECIPE_ERROR if result.returncode == runs.RECIPE_ERROR else 1
+                print(f"verdict: {'RECIPE ERROR' if code == 2 else 'FAILED'}: the {name} run exited with {result.returncode}", file=sys.stderr)
+                return code
+    return _report(results, steps, stop, rtol, small, layout_cfg.parallel.vpp)
+
+
+def _pick(values: dict, steps: range) -> List[float]:
+    return [values[s] for s in steps if s in values]
+
+
+def _report(results, steps: int, stop: int, rtol: float, small: Shrunk, vpp: Optional[int]) -> int:
+    """Tables, then the verdict; the layout's logged steps are judged even when its run then failed."""
+    ref, lay = results["reference"], results["layout"]
+    trained = range(1, stop + 1)
+    main_series = [compare.Series(k, _pick(lay.series(k), trained), _pick(ref.series(k), trained)) for k in ("loss", "grad_norm")]
+    print("\nlayout vs one rank, from the same seed checkpoint:")
+    print(compare.table(main_series, "layout", "1-rank"))
+    first = compare.judge(main_series, rtol)
+    verdicts = [("the layout's training", first)]
+    if "reshard" in results:
+        after = range(stop + 1, steps + 1)
+        resh = results["reshard"]
+        resh_series = [compare.Series(k, _pick(resh.series(k), after), _pick(ref.series(k), after), stop + 1) for k in ("loss", "grad_norm")]
+        print(f"\nresumed on one rank from the layout's step-{stop} checkpoint (resharded) vs the one-rank run:")
+        print(compare.table(resh_series, "resumed", "1-rank"))
+        verdicts.append(("the resharded resume", compare.judge(resh_series, rtol)))
+    diverged = [(what, v) for what, v in verdicts if v.first_diverging_step is not None]
+    if diverged:
+        what, v = diverged[0]
+        print(f"\nverdict: TRAINS WRONG: {what} differs from one rank; first diverging step: {v.first_diverging_step} "
+              f"({v.reason})", file=sys.stderr)
+        return 1
+    if lay.returncode != 0:
+        print(f"\nverdict: FAILED: the layout run exited with {lay.returncode} after {len(lay.series('loss'))} "
+              "step(s), all equal to one rank up to there", file=sys.stderr)
+        return 1
+    incomplete = [(what, v) for what, v in verdicts if not v.equal]
+    if incomplete:
+        what, v = incomplete[0]
+        print(f"\nverdict: FAILED: {what}: {v.reason}", file=sys.stderr)
+        return 1
+    if len(set(ref.series("loss").values())) < 2:
+        print("\nverdict: FAILED: the loss did not change over the run, so equal losses prove nothing", file=sys.stderr)
+        return 1
+    scaled = f" (with {', '.join(n.upper() for n in small.reduced)} reduced: see above)" if small.reduced else ""
+    print(f"\nverdict: PROVEN{scaled}: layout {small.degrees.text(vpp)} trains like one rank ({first.reason}, "
+          "loss and gradient norm), and its checkpoint reloads resharded at another layout with the same next steps")
+    return 0

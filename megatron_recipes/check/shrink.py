@@ -1,0 +1,209 @@
+"""A recipe made small enough for CPU ranks, keeping what its parallel layout depends on.
+
+What is kept: the parallel degrees (TP, PP, VPP, CP, EP, ETP, SP; DP and, where the world still exceeds the
+rank budget, the largest other degrees are scaled down and each change is reported), the layers of every
+pipeline stage and virtual chunk (uneven first/last stages included), heads and query groups divisible as
+TP needs (GQA stays GQA), the number of experts, router top-k and grouping, MLA/MoE/shared-expert/MTP
+structure, a sequence length divisible for SP and CP, and whether the vocabulary is padded (the remainder
+modulo make_vocab_size_divisible_by x TP is kept). What shrinks: widths, vocabulary, sequence, batch.
+
+Everything is expressed as Hydra overrides on the user's own recipe, so the check trains the recipe
+through the same composition, rule table and trainer as ``megatron-recipes train``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional
+
+from megatron_recipes.config import derived
+from megatron_recipes.config.schema import RunConfig
+
+HIDDEN, HEAD_DIM, FFN, MOE_FFN, SEQ = 64, 16, 128, 32, 32
+TINY_HIDDEN = 256
+LAYERS_PER_CHUNK = 2  # default depth cap of an evenly split chunk (a 128-expert layer costs seconds on CPU)  # a model this narrow (the tiny_* recipes) keeps its architecture untouched
+
+
+@dataclass
+class Degrees:
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    dp: int
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def min_dp(self) -> int:
+        """Smallest DP whose world holds whole expert groups: ep*etp divides tp*cp*dp (megatron-core)."""
+        need = self.ep * self.etp
+        return need // math.gcd(need, self.tp * self.cp)
+
+    def text(self, vpp: Optional[int]) -> str:
+        v = f" VPP{vpp}" if vpp else ""
+        e = f" EP{self.ep}" + (f" ETP{self.etp}" if self.etp != self.tp else "") if self.ep > 1 else ""
+        return f"TP{self.tp} PP{self.pp}{v} CP{self.cp}{e} DP{self.dp} ({self.world} ranks)"
+
+
+@dataclass
+class Shrunk:
+    """The check's recipe: overrides for the layout run, the one-rank reference, and what was changed."""
+
+    layout: List[str]
+    reference: List[str]
+    degrees: Degrees
+    original: Degrees
+    notes: List[str] = field(default_factory=list)  # every change a user should know about
+    reduced: List[str] = field(default_factory=list)  # model-parallel degrees that were reduced (not DP)
+
+
+def recipe_degrees(cfg: RunConfig) -> Degrees:
+    p = cfg.parallel
+    return Degrees(p.tp, p.pp, p.cp, p.ep, derived.expert_tensor_parallel_size(cfg), derived.data_parallel_size(cfg))
+
+
+def fit_degrees(d: Degrees, max_ranks: int, moe: bool = True) -> tuple:
+    """Scale DP down first, then halve the largest model-parallel degree until the world fits; (degrees, notes)."""
+    notes: List[str] = []
+    if d.world <= max_ranks:
+        return d, notes
+    fitted = replace(d)
+    fitted.dp = fitted.min_dp()  # DP first: down to the fewest replicas that hold whole expert groups
+    halved: List[str] = []
+    while fitted.world > max_ranks:
+        # then the largest model-parallel degree halves (ties: EP, PP, ETP, TP, CP); none goes below 1
+        order = [("ep", fitted.ep), ("pp", fitted.pp), ("etp", fitted.etp if moe else 1), ("tp", fitted.tp), ("cp", fitted.cp)]
+        name, value = max(order, key=lambda kv: kv[1])
+        if value <= 1:
+            break
+        setattr(fitted, name, value // 2)
+        if name == "tp" and fitted.etp > fitted.tp and (d.etp == d.tp or not moe):
+            fitted.etp = fitted.tp  # ETP follows TP when the recipe leaves it unset
+        fitted.dp = fitted.min_dp()
+        halved.append(
+            f"{name.upper()} {value} -> {value // 2}: with DP at its minimum the world still exceeded --max-ranks "
+            f"{max_ranks}; this check does NOT prove {name.upper()}={value} itself"
+        )
+    step = fitted.min_dp()  # as many DP replicas as still fit (DP>1 keeps gradient reduction in the proof)
+    fitted.dp = max(k for k in range(step, max(d.dp, step) + 1, step) if k == step or k * fitted.world // fitted.dp <= max_ranks)
+    notes.append(
+        f"DP {d.dp} -> {fitted.dp}: the recipe's {d.world} ranks exceed --max-ranks {max_ranks}; DP replicas run "
+        "the same code on other data, so fewer of them prove the same layout"
+    )
+    return fitted, notes + halved
+
+
+def _layers(cfg: RunConfig, pp: int, max_per_chunk: Optional[int]) -> Dict[str, object]:
+    """Layer count for ``pp`` stages with the recipe's layers per stage/chunk (uneven first/last stages
+    kept as they are); ``max_per_chunk`` caps the even part, so a 24-layer stage runs as 2 on CPU."""
+    p, m = cfg.parallel, cfg.model
+    vpp = p.vpp or 1
+    first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
+    cap = (lambda n: min(n, max_per_chunk)) if max_per_chunk else (lambda n: n)  # noqa: E731
+    if first is None and last is None:
+        # the embedding and the loss may each take a layer's slot (account_for_*_in_pipeline_split)
+        counted = int(p.account_for_embedding_in_pipeline_split) + int(p.account_for_loss_in_pipeline_split)
+        per_chunk = cap((m.num_layers + (counted if p.pp > 1 else 0)) // (p.pp * vpp))
+        return {"model.num_layers": per_chunk * pp * vpp - (counted if pp > 1 else 0)}
+    middle_stages = p.pp - (first is not None) - (last is not None)
+    per_middle = cap((m.num_layers - (first or 0) - (last or 0)) // max(1, middle_stages))
+    new_middle = max(0, pp - (first is not None) - (last is not None))
+    return {"model.num_layers": (first or 0) + (last or 0) + per_middle * new_middle}
+
+
+def _model(cfg: RunConfig, d: Degrees, max_per_chunk: Optional[int]) -> Dict[str, object]:
+    """Narrow widths; counts the layout divides (heads, groups, experts, layers) kept divisible."""
+    m = cfg.model
+    out: Dict[str, object] = dict(_layers(cfg, d.pp, max_per_chunk))
+    if m.hidden_size <= TINY_HIDDEN:
+        return out
+    gqa = m.num_query_groups < m.num_attention_heads
+    groups = d.tp * (2 if d.cp > 1 else 1)  # a2a CP splits heads over CP as well
+    heads = groups * (2 if gqa else 1)
+    multiple = max(1, m.make_vocab_size_divisible_by) * d.tp
+    out.update(
+        {
+            "model.hidden_size": HIDDEN,
+            "model.num_attention_heads": heads,
+            "model.num_query_groups": heads if m.multi_latent_attention else groups,
+            "model.kv_channels": HEAD_DIM,
+            "model.ffn_hidden_size": FFN,
+            # at least 1024 rows (the check's built-in tokenizer has 600 tokens), same remainder as the recipe's
+            "model.vocab_size": multiple * max(2, -(-1024 // multiple)) + m.vocab_size % multiple,
+        }
+    )
+    if m.sliding_window:
+        out["model.sliding_window"] = SEQ // 2
+    if m.num_moe_experts:
+        out["model.moe_ffn_hidden_size"] = MOE_FFN
+        if m.moe_shared_expert_intermediate_size:
+            out["model.moe_shared_expert_intermediate_size"] = 2 * MOE_FFN
+        layers = int(out["model.num_layers"])
+        if m.moe_first_dense_layers >= layers:
+            out["model.moe_first_dense_layers"] = layers - 1
+    if m.multi_latent_attention:
+        out.update({"model.q_lora_rank": 32, "model.kv_lora_rank": 16, "model.qk_head_dim": HEAD_DIM,
+                    "model.qk_pos_emb_head_dim": 8, "model.v_head_dim": HEAD_DIM})
+    return out
+
+
+def _batch(cfg: RunConfig, d: Degrees, vpp: Optional[int]) -> Dict[str, object]:
+    """Micro-batches of one sequence; PP of them per DP rank (the pipeline fills, interleaving takes whole
+    rounds), at least 2 (gradient accumulation is part of the proof)."""
+    micro = max(d.pp, 2)
+    return {"train.seq_length": SEQ, "train.micro_batch_size": 1, "train.global_batch_size": micro * d.dp}
+
+
+def _fmt(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def shrink(cfg: RunConfig, max_ranks: int = 8, max_layers_per_chunk: Optional[int] = LAYERS_PER_CHUNK) -> Shrunk:
+    """The check's overrides; ``max_layers_per_chunk=None`` keeps every stage's full depth."""
+    original = recipe_degrees(cfg)
+    d, notes = fit_degrees(original, max_ranks, moe=bool(cfg.model.num_moe_experts))
+    p = cfg.parallel
+    common: Dict[str, object] = {**_model(cfg, d, max_layers_per_chunk), **_batch(cfg, d, p.vpp)}
+    if max_layers_per_chunk and cfg.model.hidden_size > TINY_HIDDEN:
+        full = _layers(cfg, d.pp, None)["model.num_layers"]
+        if full != common["model.num_layers"]:
+            notes.append(
+                f"layers {full} -> {common['model.num_layers']}: at most {max_layers_per_chunk} per pipeline chunk "
+                "(uneven first/last stages kept as written); --full-depth keeps every stage's layer count"
+            )
+    if cfg.model.hidden_size > TINY_HIDDEN:
+        m = cfg.model
+        moe = f", expert FFN {MOE_FFN}; {m.num_moe_experts} experts, top-{m.moe_router_topk} kept" if m.num_moe_experts else ""
+        notes.append(f"model narrowed to hidden {HIDDEN}, head dim {HEAD_DIM}, FFN {FFN}{moe}; {common['model.num_layers']} layers")
+    layout = dict(common)
+    layout.update({"parallel.tp": d.tp, "parallel.pp": d.pp, "parallel.cp": d.cp, "parallel.ep": d.ep,
+                   "parallel.etp": d.etp if p.etp is not None else None,
+                   "cluster.gpus_per_node": d.world, "cluster.nvlink_domain": d.world})
+    if d.pp == 1:
+        layout.update({"parallel.vpp": None, "parallel.num_layers_in_first_pipeline_stage": None,
+                       "parallel.num_layers_in_last_pipeline_stage": None,
+                       "parallel.account_for_embedding_in_pipeline_split": False,
+                       "parallel.account_for_loss_in_pipeline_split": False})
+    names = ("tp", "pp", "cp", "ep", "etp") if cfg.model.num_moe_experts else ("tp", "pp", "cp")
+    reduced = [n for n in names if getattr(d, n) != getattr(original, n)]
+    # The reference: one rank, the same model; its vocabulary padded to the layout's row count.
+    multiple = max(1, cfg.model.make_vocab_size_divisible_by) * d.tp
+    reference = dict(common)
+    reference.update({"parallel.tp": 1, "parallel.pp": 1, "parallel.vpp": None, "parallel.cp": 1, "parallel.ep": 1,
+                      "parallel.etp": None, "parallel.sp": False,
+                      "parallel.num_layers_in_first_pipeline_stage": None,
+                      "parallel.num_layers_in_last_pipeline_stage": None,
+                      "parallel.account_for_embedding_in_pipeline_split": False,
+                      "parallel.account_for_loss_in_pipeline_split": False,
+                      "model.make_vocab_size_divisible_by": multiple,
+                      "cluster.gpus_per_node": 1, "cluster.nvlink_domain": 1})
+    to_list = lambda kv: [f"{k}={_fmt(v)}" for k, v in kv.items()]  # noqa: E731
+    return Shrunk(to_list(layout), to_list(reference), d, original, notes, reduced)

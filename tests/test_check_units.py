@@ -1,0 +1,99 @@
+"""`megatron-recipes check` without processes: the verdict, DP-first scaling, and that every shrunk
+recipe (layout and one-rank reference) passes the rule table with the recipe's degrees kept."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_recipes.check import compare
+from megatron_recipes.check.cli import context_parallel_unproven, plan_runs
+from megatron_recipes.check.shrink import Degrees, fit_degrees
+from megatron_recipes.config.compose import compose_recipe
+from megatron_recipes.config.validate import validate
+
+
+def test_judge_equal_within_tolerance():
+    s = compare.Series("loss", [8.0, 7.5, 7.0], [8.0, 7.5 * (1 + 5e-6), 7.0])
+    assert compare.judge([s], 1e-5).equal
+    assert not compare.judge([s], 1e-6).equal
+
+
+def test_judge_names_the_first_diverging_step_across_metrics():
+    loss = compare.Series("loss", [8.0, 7.5, 7.1, 6.0], [8.0, 7.5, 7.0, 6.5])
+    norm = compare.Series("grad_norm", [1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0])
+    v = compare.judge([norm, loss], 1e-5)
+    assert not v.equal and v.first_diverging_step == 3 and v.metric == "loss"
+    assert compare.judge([compare.Series("loss", [1.0], [1.0, 2.0])], 1e-5).first_diverging_step is None
+
+
+def test_judge_nan_is_never_equal():
+    assert not compare.judge([compare.Series("loss", [float("nan")], [1.0])], 1.0).equal
+
+
+def test_table_shows_both_runs_and_the_difference():
+    text = compare.table([compare.Series("loss", [2.0, 1.0], [2.0, 1.5])], "layout", "1-rank")
+    assert "loss layout" in text and "1.5" in text and "3.3e-01" in text
+
+
+def test_fit_keeps_a_layout_that_fits():
+    d = Degrees(tp=2, pp=1, cp=2, ep=1, etp=2, dp=2)
+    assert fit_degrees(d, 8) == (d, [])
+
+
+def test_fit_scales_dp_first_then_says_which_degree_shrank():
+    fitted, notes = fit_degrees(Degrees(tp=1, pp=2, cp=1, ep=8, etp=1, dp=8), 8)  # Qwen3-30B-A3B: 16 ranks
+    assert notes[0].startswith("DP 8 -> ")
+    assert (fitted.pp, fitted.ep, fitted.world) == (2, 4, 8) and "EP 8 -> 4" in notes[1]
+    only_dp, notes = fit_degrees(Degrees(tp=2, pp=1, cp=1, ep=1, etp=2, dp=8), 8)
+    assert (only_dp.tp, only_dp.dp) == (2, 4) and len(notes) == 1
+
+
+@pytest.mark.parametrize("recipe", ["llama3_70b_pretrain", "mixtral_8x7b_pretrain", "qwen3_30b_a3b_pretrain",
+                                    "deepseek_v3_pretrain", "llama31_405b_pretrain", "llama3_8b_pretrain", "llama3_8b_lora"])
+def test_shrunk_recipe_passes_every_rule(recipe):
+    cfg, small, planned, notes, _ = plan_runs(recipe, [], 8, 6, 4)
+    assert small.degrees.world <= 8
+    for name in ("layout", "reference"):
+        shrunk = compose_recipe(recipe, planned[name])
+        bad = [f"[{v.rule_id}] {v.message}" for v in validate(shrunk)]
+        if name == "layout":
+            bad = [b for b in bad if not b.startswith("[cp.")]  # CP>1 is the check's own verdict (below)
+        assert not bad, f"{recipe} {name}: {bad}"
+    layout = compose_recipe(recipe, planned["layout"])
+    p = layout.parallel
+    assert (p.tp, p.pp, p.cp, p.ep) == (small.degrees.tp, small.degrees.pp, small.degrees.cp, small.degrees.ep)
+    assert p.vpp == cfg.parallel.vpp and p.sp == cfg.parallel.sp
+    assert layout.model.num_moe_experts == cfg.model.num_moe_experts
+    assert layout.model.moe_router_topk == cfg.model.moe_router_topk
+
+
+def test_layers_per_stage_and_chunk_are_kept():
+    for full, per_middle in ((True, 4), (False, 2)):  # 3 + 14x4 + 2 layers over PP16; the cap keeps first/last
+        _, _, planned, notes, _ = plan_runs("deepseek_v3_pretrain", [], 8, 6, 4, full_depth=full)
+        layout = compose_recipe("deepseek_v3_pretrain", planned["layout"])
+        p = layout.parallel
+        assert (p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage) == (3, 2)
+        assert (layout.model.num_layers - 5) // (p.pp - 2) == per_middle and layout.model.moe_first_dense_layers == 3
+        assert any("--full-depth" in n for n in notes) != full
+    _, _, planned, _, _ = plan_runs("llama3_70b_pretrain", [], 8, 6, 4, full_depth=True)  # 80 / (PP4 x VPP5) = 4
+    l70 = compose_recipe("llama3_70b_pretrain", planned["layout"])
+    assert l70.model.num_layers // (l70.parallel.pp * l70.parallel.vpp) == 4
+
+
+def test_vocabulary_padding_is_kept_and_matched_by_the_reference():
+    from megatron_recipes.config import derived
+
+    for vocab, padded in ((128257, True), (128256, False)):  # at TP2: 128256 is a multiple of 128 x 2
+        _, small, planned, _, _ = plan_runs("llama3_8b_pretrain", [f"model.vocab_size={vocab}"], 8, 6, 4)
+        layout = compose_recipe("llama3_8b_pretrain", planned["layout"])
+        reference = compose_recipe("llama3_8b_pretrain", planned["reference"])
+        rows = derived.padded_vocab_size(layout.model, layout.parallel.tp)
+        assert (rows > layout.model.vocab_size) == padded and layout.model.vocab_size < 2000
+        assert derived.padded_vocab_size(reference.model, 1) == rows
+
+
+def test_context_parallel_is_one_decision():
+    cp2 = compose_recipe("tiny_llama_cpu", ["parallel.tp=1", "parallel.cp=2"])
+    reason = context_parallel_unproven(cp2)  # this build: no CP-capable attention on the CPU lane
+    assert reason and "parallel.cp=2" in reason
+    assert context_parallel_unproven(compose_recipe("tiny_llama_cpu", [])) is None

@@ -1,0 +1,80 @@
+"""Zero-setup fine-tuning: the built-in chat tasks, the task accuracy the trainer logs, and the error
+that tells a user to run the main job first."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import train_support as ts
+from megatron_recipes.config.compose import compose_recipe
+from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.data.sft import builtin_tasks
+from megatron_recipes.training import step
+
+
+def test_records_are_deterministic_and_answers_checkable():
+    a, b = builtin_tasks.records(7, 200), builtin_tasks.records(7, 200)
+    assert a == b and a != builtin_tasks.records(8, 200)
+    for r in a:
+        question, answer = r["messages"][0]["content"], r["messages"][1]["content"]
+        if question.startswith("Is "):
+            n = int(question.split()[1])
+            assert answer == ("even" if n % 2 == 0 else "odd")
+        elif question.startswith("Which is larger"):
+            x, y = [int(t.strip(",?")) for t in question.split() if t.strip(",?").isdigit()]
+            assert answer == str(max(x, y))
+
+
+def test_builtin_files_written_once_with_a_validation_split(tmp_path):
+    train, valid = builtin_tasks.resolve_paths("builtin", None, str(tmp_path))
+    lines = open(train).read().splitlines()
+    assert len(lines) == builtin_tasks.TRAIN_SAMPLES and "messages" in json.loads(lines[0])
+    assert valid and len(open(valid).read().splitlines()) == builtin_tasks.VALID_SAMPLES
+    assert builtin_tasks.resolve_paths("my.jsonl", None, str(tmp_path)) == ("my.jsonl", None)
+
+
+def test_answer_counts_runs_of_answer_tokens():
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 0], [1, 1, 0, 1, 1, 1, 1]])
+    low, high = 0.1, 2.0
+    loss = torch.full(mask.shape, high)
+    loss[0, 1] = loss[0, 2] = low  # answer 1 right
+    loss[0, 5] = high  # answer 2 wrong
+    loss[1, 0] = low  # answer 3: one of two tokens wrong
+    loss[1, 3:] = low  # answer 4 right
+    assert step.answer_counts(mask, loss).tolist() == [2.0, 4.0]
+    assert step.answer_counts(mask, torch.full(mask.shape, math.log(2) - 1e-3)).tolist() == [4.0, 4.0]
+
+
+def test_missing_main_job_checkpoint_says_run_it_first(tmp_path, monkeypatch):
+    from megatron_recipes.training.loop import preflight
+
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_recipe("tiny_llama_lora", [f"data.cache_dir={tmp_path}", f"run.dir={tmp_path / 'lora'}"])
+    with pytest.raises(RecipeError) as info:
+        preflight(cfg)
+    assert "runs/tiny_llama_cpu/checkpoints" in info.value.message
+    assert "megatron-recipes train tiny_llama_cpu" in (info.value.fix or "")
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured: task_accuracy stays 0.0 over 60 LoRA steps on a 30-step base "
+                   "(every answer token incl. the end-of-turn token must reach p > 1/2); open, see the issue's report")
+def test_lora_after_the_main_job_logs_rising_task_accuracy(tmp_path):
+    """The README's order in miniature: a short main job, then tiny_llama_lora with no data or checkpoint
+    argument (its defaults find both); the accuracy it logs at step 0 and after training must rise."""
+    cache = tmp_path / "cache"
+    small = ["data.builtin_max_files=80", "data.builtin_vocab_size=600", "model.vocab_size=640"]
+    # ts.train runs each job from its run dir's parent: the LoRA run's folder is tmp/work, where the
+    # recipe's default checkpoint.pretrained=runs/tiny_llama_cpu/checkpoints must then be found
+    ts.train(tmp_path / "work" / "runs" / "tiny_llama_cpu", cache, "train.train_iters=30", "logging.plot=false",
+             "logging.tensorboard=false", *small, nproc=2).check()
+    lora = ts.train(tmp_path / "work" / "lora", cache, *small, "logging.plot=false", "logging.tensorboard=false",
+                    nproc=2, recipe="tiny_llama_lora").check()
+    acc = lora.series("task_accuracy")
+    steps = [r["step"] for r in lora.records() if "task_accuracy" in r["data"]]
+    assert steps and steps[0] == 0 and len(acc) >= 3, lora.output[-3000:]
+    assert acc[-1] > acc[0], acc
