@@ -36,8 +36,13 @@ def stack() -> Dict[str, str]:
     }
 
 
+_STACK_FIRST = ("megatron-core", "transformer-engine", "torch", "cuda")
+
+
 def describe(versions: Dict[str, str]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in versions.items())
+    """One line, the training stack first: that is what a user comparing two runs' logs looks for."""
+    order = [k for k in _STACK_FIRST if k in versions] + [k for k in versions if k not in _STACK_FIRST]
+    return ", ".join(f"{k} {versions[k]}" for k in order)
 
 
 if __name__ == "__main__":
