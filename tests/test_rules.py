@@ -19,6 +19,7 @@ from megatron_recipes.config.validate import validate, validate_or_raise
 TINY = "tiny_llama_cpu"  # CPU lane, TP2 over 2 ranks, fp32, built-in data
 MOE = ("model=tiny_moe", "parallel=none")  # on TINY: 4 experts top-2 over 2 ranks
 L70 = "llama3_70b_pretrain"  # 8 H100 nodes, TP4 PP4 VPP5 CP2
+L70_SFT = "llama3_70b_sft"  # 4 H100 nodes, TP4 PP4, packed SFT data
 MIX = "mixtral_8x7b_pretrain"  # 8 H100 nodes, PP4 VPP8 EP8
 DSV3 = "deepseek_v3_pretrain"  # 128 H100 nodes, TP2 PP16 EP64 (inter-node, allowed)
 PT = "checkpoint.pretrained=base_ckpt"  # PEFT needs a base checkpoint
@@ -52,7 +53,13 @@ CASES: Dict[str, Case] = {
     "cp.sequence_divisible": (L70, ("train.seq_length=8190",), ("train.seq_length=8184",)),
     "cp.comm_type": (TINY, ("parallel.cp_comm_type=ring",), ("parallel.cp_comm_type=a2a",)),
     "cp.a2a_heads": (L70, ("parallel.cp_comm_type=a2a", "parallel.tp=8", "parallel.cp=4", "parallel.pp=2"), ("parallel.cp_comm_type=a2a",)),
-    "cp.needs_te_attention": (TINY, ("parallel.tp=1", "parallel.cp=2"), ()),
+    "cp.hierarchical_sizes": (
+        L70,
+        ("parallel.cp_comm_type=a2a+p2p",),
+        ("parallel.cp_comm_type=a2a+p2p", "parallel.cp=4", "parallel.pp=2", "parallel.cp_hierarchical_sizes=[2,2]"),
+    ),
+    "cp.local_attention_all_gather": (TINY, ("parallel.tp=1", "parallel.cp=2"), ("parallel.tp=1", "parallel.cp=2", "parallel.cp_comm_type=all_gather")),
+    "cp.packing_te": (L70_SFT, ("data.sft_path=train.jsonl", "parallel.cp=2"), ("data.sft_path=train.jsonl", "parallel.cp=2", "data.packing=false")),
     "cluster.nvlink_domain_shape": (TINY, ("cluster.nvlink_domain=3",), ("cluster.nvlink_domain=4",)),
     "model.query_groups_divide_heads": (TINY, ("model.num_query_groups=3",), ("model.num_query_groups=4",)),
     "model.head_dim": (

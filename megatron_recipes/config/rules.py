@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 from megatron_recipes.config.rules_base import Rule
+from megatron_recipes.config.rules_cp import CP_RULES
 from megatron_recipes.config.rules_data import DATA_RULES
 from megatron_recipes.config.rules_layout import LAYOUT_RULES
 from megatron_recipes.config.rules_memory import MEMORY_RULES
@@ -25,7 +26,7 @@ from megatron_recipes.config.rules_values import VALUE_RULES
 # Single values first (a newline or a NaN makes every later message misleading); memory last: it only
 # speaks once the layout it estimates is otherwise valid.
 RULES: List[Rule] = (
-    VALUE_RULES + LAYOUT_RULES + MODEL_RULES + MOE_RULES + PRECISION_RULES + TRAIN_RULES + SHARDING_RULES
+    VALUE_RULES + LAYOUT_RULES + CP_RULES + MODEL_RULES + MOE_RULES + PRECISION_RULES + TRAIN_RULES + SHARDING_RULES
     + DATA_RULES + PEFT_RULES + MEMORY_RULES
 )
 

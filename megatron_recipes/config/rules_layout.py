@@ -1,4 +1,4 @@
-"""Rules on the parallel layout: world factorisation, TP/SP, pipeline split, context parallelism, NVLink."""
+"""Rules on the parallel layout: world factorisation, TP/SP, pipeline split, NVLink (CP: rules_cp.py)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,11 @@ from megatron_recipes.config.rules_base import (
     divisors,
     fmt_ranks,
     is_gpu,
-    one_of,
     rule,
     valid_tp_values,
     world_ok,
 )
 from megatron_recipes.config.schema import RunConfig
-
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-
 
 def _world_desc(cfg: RunConfig) -> str:
     c = cfg.cluster
@@ -300,63 +296,6 @@ def _pipeline_fill(cfg: RunConfig) -> Optional[str]:
 
 
 @rule(
-    "cp.sequence_divisible",
-    ["train.seq_length", "parallel.cp"],
-    "with CP, seq_length is divisible by 2 * cp (load-balanced causal chunks)",
-    "choose train.seq_length as a multiple of 2 * parallel.cp",
-)
-def _cp_seq(cfg: RunConfig) -> Optional[str]:
-    p, s = cfg.parallel, cfg.train.seq_length
-    if p.cp < 2 or s % (2 * p.cp) == 0:
-        return None
-    ok = [c for c in divisors(s) if c > 1 and s % (2 * c) == 0][:8]
-    return f"train.seq_length={s} is not divisible by 2*parallel.cp = {2 * p.cp}; use parallel.cp in {choices([1] + ok)}"
-
-
-@rule(
-    "cp.comm_type",
-    ["parallel.cp_comm_type"],
-    "parallel.cp_comm_type is one of megatron-core's CP communication types",
-    f"use one of {', '.join(CP_COMM_TYPES)}",
-)
-def _cp_comm(cfg: RunConfig) -> Optional[str]:
-    return one_of(cfg.parallel.cp_comm_type, CP_COMM_TYPES, "parallel.cp_comm_type")
-
-
-@rule(
-    "cp.a2a_heads",
-    ["parallel.cp_comm_type", "parallel.cp", "parallel.tp", "model.num_attention_heads", "model.num_query_groups"],
-    "all-to-all CP scatters heads, so heads (and query groups) per TP rank are divisible by cp",
-    "use cp_comm_type=p2p, or a cp dividing the heads per TP rank",
-)
-def _cp_a2a(cfg: RunConfig) -> Optional[str]:
-    p, m = cfg.parallel, cfg.model
-    if p.cp < 2 or not p.cp_comm_type.startswith("a2a") or p.tp < 1 or m.num_attention_heads % p.tp:
-        return None
-    heads = m.num_attention_heads // p.tp
-    groups = heads if m.multi_latent_attention else m.num_query_groups // max(1, p.tp)
-    if heads % p.cp == 0 and groups % p.cp == 0:
-        return None
-    return (
-        f"parallel.cp_comm_type={p.cp_comm_type} with parallel.cp={p.cp}: {heads} heads / {groups} query groups per "
-        f"TP rank are not divisible by cp; use parallel.cp in {choices(sorted(set(divisors(heads)) & set(divisors(groups))))} or cp_comm_type=p2p"
-    )
-
-
-@rule(
-    "cp.needs_te_attention",
-    ["parallel.cp", "cluster.gpu_arch"],
-    "context parallelism runs only in Transformer Engine attention, i.e. on a GPU cluster",
-    "set parallel.cp=1 on a CPU cluster",
-)
-def _cp_needs_gpu(cfg: RunConfig) -> Optional[str]:
-    p = cfg.parallel
-    if p.cp > 1 and not is_gpu(cfg):
-        return f"parallel.cp={p.cp} on cluster {cfg.cluster.name} (gpu_arch=cpu): CP needs TE attention on GPUs; use parallel.cp=1"
-    return None
-
-
-@rule(
     "cluster.nvlink_domain_shape",
     ["cluster.nvlink_domain", "cluster.gpus_per_node"],
     "an NVLink domain is made of whole nodes: nvlink_domain is a positive multiple of gpus_per_node",
@@ -383,9 +322,5 @@ LAYOUT_RULES = [
     _vpp_value,
     _interleaved_mb,
     _pipeline_fill,
-    _cp_seq,
-    _cp_comm,
-    _cp_a2a,
-    _cp_needs_gpu,
     _nvlink_shape,
 ]

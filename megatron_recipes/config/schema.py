@@ -93,6 +93,7 @@ class ParallelConfig:
     etp: Optional[int] = None  # expert tensor parallel; None -> same as tp (megatron-core default)
     sp: bool = False
     cp_comm_type: str = "p2p"  # p2p | all_gather | a2a | a2a+p2p
+    cp_hierarchical_sizes: Optional[List[int]] = None  # a2a+p2p only: CP group levels, product = cp (a2a on the first)
     moe_dispatcher: str = "alltoall"  # allgather | alltoall | flex
     moe_flex_backend: str = "deepep"  # deepep | hybridep (only with moe_dispatcher=flex)
     num_layers_in_first_pipeline_stage: Optional[int] = None

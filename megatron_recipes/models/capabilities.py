@@ -83,8 +83,11 @@ def unmet_requirements(cfg: RunConfig, machine: Machine | None = None) -> List[s
         problems.append(f"precision.fp8={prec.fp8} needs Transformer Engine on a GPU, but {where}; use precision=bf16 (or fp32 on CPU)")
     if prec.fp4 and not te:
         problems.append(f"precision.fp4={prec.fp4} needs Transformer Engine on a Blackwell GPU, but {where}; use precision=bf16")
-    if p.cp > 1 and not te:
-        problems.append(f"parallel.cp={p.cp} needs Transformer Engine's attention, but {where}; use parallel.cp=1")
+    if p.cp > 1 and not te and p.cp_comm_type != "all_gather":
+        problems.append(
+            f"parallel.cp={p.cp} with cp_comm_type={p.cp_comm_type} needs Transformer Engine's attention, but {where}; "
+            "the local spec's CP attention all-gathers keys/values: use parallel.cp_comm_type=all_gather"
+        )
     if te:
         from megatron_recipes.config.rules_data import packed_thd_needs_mbs1
 

@@ -5,7 +5,8 @@
    ``torch.nn.functional.scaled_dot_product_attention`` (flash/memory-efficient kernels on GPU, a fused
    kernel on CPU) and falls back to the parent for what SDPA does not express (sliding windows,
    learnable/off-by-one softmax, query-key layer scaling, attention dropout while training). Heads are
-   independent, so the result does not depend on how TP splits them.
+   independent, so the result does not depend on how TP splits them. The spec gets its CP-capable
+   subclass (``context_parallel.ContextParallelSDPAttention``), which is this class at CP=1.
 2. ``SequenceParallelTorchNorm``: without Apex the local spec builds norms with ``WrappedTorchNorm``,
    which refuses sequence parallelism because torch's norms do not mark their weights. Under SP each TP
    rank normalises only its slice of the sequence, so the weight gradients are partial sums that
@@ -95,10 +96,12 @@ def _replace_modules(spec: Any, replacements: Dict[type, type]) -> Any:
 
 
 def adapt_local_spec(spec: Any, config) -> Any:
-    """The local spec with SDPA core attention, and SP-capable torch norms when sequence parallelism is on."""
+    """The local spec with SDPA core attention (CP-capable), and SP-capable torch norms when SP is on."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    replacements: Dict[type, type] = {DotProductAttention: SDPAttention}
+    from megatron_recipes.models.context_parallel import ContextParallelSDPAttention
+
+    replacements: Dict[type, type] = {DotProductAttention: ContextParallelSDPAttention}
     if config.sequence_parallel:
         replacements[WrappedTorchNorm] = SequenceParallelTorchNorm
     return _replace_modules(spec, replacements)

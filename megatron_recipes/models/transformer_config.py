@@ -46,6 +46,7 @@ def _parallel_fields(cfg: RunConfig, on_gpu: bool) -> Dict[str, Any]:
         "expert_tensor_parallel_size": derived.expert_tensor_parallel_size(cfg),
         "sequence_parallel": p.sp,
         "cp_comm_type": p.cp_comm_type,
+        "hierarchical_context_parallel_sizes": p.cp_hierarchical_sizes,
         "num_layers_in_first_pipeline_stage": p.num_layers_in_first_pipeline_stage,
         "num_layers_in_last_pipeline_stage": p.num_layers_in_last_pipeline_stage,
         "account_for_embedding_in_pipeline_split": p.account_for_embedding_in_pipeline_split,

@@ -93,6 +93,7 @@ def init_model_parallel(cfg: RunConfig, timeout_minutes: float = 10.0) -> Runtim
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp,
         context_parallel_size=p.cp,
+        hierarchical_context_parallel_sizes=p.cp_hierarchical_sizes,  # a2a+p2p's groups (rule cp.hierarchical_sizes)
         expert_model_parallel_size=p.ep,
         expert_tensor_parallel_size=derived.expert_tensor_parallel_size(cfg),
         distributed_timeout_minutes=int(max(1, timeout_minutes)),

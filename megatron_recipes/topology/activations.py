@@ -5,7 +5,8 @@ Two kernel sets are modelled, because they save different tensors:
 * ``local`` - megatron-core's local layer spec as the project builds it (``models/local_spec.py``), what
   the CPU lane runs: composite RMSNorm (saves its input and normalised output), SDPA core attention
   (saves Q, K and V expanded to all heads, its output and log-sum-exp; with a sliding window megatron-core's
-  unfused path also keeps the ``b x heads x s x s`` softmax), unfused SwiGLU (saves FC1's output, SiLU's
+  unfused path also keeps the ``b x heads x s x s`` softmax; under CP, K and V are all-gathered so they
+  span the whole sequence, and SDPA keeps its ``s/cp x s`` mask), unfused SwiGLU (saves FC1's output, SiLU's
   output and the linear half).
   Tests hold this model to within 10% of what ``saved_tensors_hooks`` sees on built models.
 * ``te`` - the Transformer Engine spec on GPUs: fused LayerNorm+Linear (input and normalised output),
@@ -50,6 +51,7 @@ class Dims:
 
     batch: int  # micro batch size
     seq: int  # sequence per CP rank
+    cp: int  # context-parallel degree
     sp: int  # divisor of tokens in the sequence-parallel region (tp with SP, else 1)
     tp: int
     heads: int  # per TP rank
@@ -71,6 +73,7 @@ def dims_of(cfg: RunConfig) -> Dims:
     return Dims(
         batch=t.micro_batch_size,
         seq=t.seq_length // max(1, p.cp),
+        cp=max(1, p.cp),
         sp=tp if p.sp else 1,
         tp=tp,
         heads=m.num_attention_heads // tp,
@@ -134,6 +137,13 @@ def attention_bytes(cfg: RunConfig, x: Dims, recompute: str) -> float:
     if recompute == "selective":
         per_token += g * d  # checkpoint keeps rope'd k and the QKV storage (v's base)
         keeps_qkv = True
+    elif x.cp > 1:
+        # CP attention (models/context_parallel.py): k and v all-gathered over CP (then expanded to all
+        # heads) span the whole sequence, cp x this rank's tokens; v no longer views the QKV output.
+        # SDPA keeps its mask too: [s/cp, s], converted from bool to the activation dtype.
+        per_token += 2 * x.cp * a * d
+        keeps_qkv = m.qk_layernorm
+        scores = T * a * FP32 + x.seq * x.seq * x.cp * x.act
     else:
         per_token += a * d if a > g else 0  # expanded v
         per_token += a * d  # k (expanded, or rope'd under MHA)

@@ -70,8 +70,11 @@ def _chunk_stages(model: torch.nn.Module):
     return first, last
 
 
-def _attention_inputs(batch: Dict[str, torch.Tensor], device: torch.device, use_te: bool) -> Dict[str, Any]:
-    """Causal attention needs no mask; packed sequences need a block mask (local spec) or cu_seqlens (TE)."""
+def _attention_inputs(batch: Dict[str, torch.Tensor], device: torch.device, use_te: bool, cp: tuple = (1, 0)) -> Dict[str, Any]:
+    """Causal attention needs no mask; packed sequences need a block mask (local spec) or cu_seqlens (TE).
+
+    Under CP the local spec's mask keeps this rank's query rows and the all-gathered key columns.
+    """
     segments = batch.get("segment_ids")
     if segments is None:
         return {"attention_mask": None}
@@ -80,7 +83,23 @@ def _attention_inputs(batch: Dict[str, torch.Tensor], device: torch.device, use_
     segments = segments.to(device, non_blocking=True)
     if use_te:
         return {"attention_mask": None, "packed_seq_params": attention.packed_seq_params(segments)}
-    return {"attention_mask": attention.packed_attention_mask(segments)}
+    mask = attention.packed_attention_mask(segments)
+    if cp[0] > 1:
+        from megatron_recipes.models.context_parallel import cp_packed_attention_mask
+
+        mask = cp_packed_attention_mask(mask, *cp)
+    return {"attention_mask": mask}
+
+
+def cp_share(batch: Dict[str, torch.Tensor], cp_size: int, cp_rank: int) -> Dict[str, torch.Tensor]:
+    """This CP rank's chunks (``r`` and ``2*cp-1-r`` of ``2*cp``) of every per-token tensor of a batch.
+
+    Segment ids stay whole: the packed mask needs every key's segment (``_attention_inputs`` cuts it).
+    """
+    from megatron_recipes.models.context_parallel import split_for_cp
+
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    return {k: split_for_cp(v, cp_size, cp_rank) if k in keys else v for k, v in batch.items()}
 
 
 def make_forward_step(device: torch.device, use_te: bool, mtp: bool = False):
@@ -89,18 +108,25 @@ def make_forward_step(device: torch.device, use_te: bool, mtp: bool = False):
     Every chunk reads its own iterator on every microbatch (so all iterators stay at the same sample),
     but only moves to the device what its stage uses: tokens on the first stage, labels on the last, and
     with multi-token prediction (``mtp``) tokens on the last stage too: the MTP block there embeds the
-    shifted input ids itself.
+    shifted input ids itself. Under CP each rank keeps its share of the sequence (``cp_share``); the loss
+    sums and token counts are then this rank's, and ``_reduce_losses`` / megatron-core's
+    ``finalize_model_grads`` add them up over data x context ranks (``calculate_per_token_loss``).
     """
+    from megatron.core import parallel_state
+
+    cp = (parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank())
 
     def forward_step(data_iterator: Iterator[Dict[str, torch.Tensor]], model: torch.nn.Module):
         batch = next(data_iterator)
+        if cp[0] > 1:
+            batch = cp_share(batch, *cp)
         first, last = _chunk_stages(model)
         needs_ids = first or (last and mtp)
         tokens = batch["tokens"].to(device, non_blocking=True) if needs_ids else None
         position_ids = batch["position_ids"].to(device, non_blocking=True) if needs_ids else None
         labels = batch["labels"].to(device, non_blocking=True) if last else None
         loss_mask = batch["loss_mask"].to(device, non_blocking=True) if last else None
-        output = model(tokens, position_ids, labels=labels, **_attention_inputs(batch, device, use_te))
+        output = model(tokens, position_ids, labels=labels, **_attention_inputs(batch, device, use_te, cp))
         return output, partial(loss_func, loss_mask)
 
     return forward_step
