@@ -1,7 +1,8 @@
 """The per-microbatch activation estimate is within 10% of the bytes autograd saves for backward.
 
 The local spec's core attention is torch SDPA (``models/local_spec.py``); with a sliding window it is
-megatron-core's unfused attention, whose ``s x s`` scores the estimate must then count.
+megatron-core's unfused attention, whose ``s x s`` scores the estimate must then count. At CP=2 each
+rank holds ``s/cp`` tokens and the CP attention keeps all-gathered K/V (``models/context_parallel.py``).
 Saved tensors are counted with ``torch.autograd.graph.saved_tensors_hooks`` during one training-mode
 forward of a model built by megatron-core (local spec, CPU lane, real spawned processes), deduplicated
 by storage and excluding parameters. Each case is checked twice: the whole model (embedding, layers,
@@ -49,6 +50,7 @@ TWO_RANKS: Dict[str, List[str]] = {
     "tp2_sp_selective": ["parallel.tp=2", "parallel.sp=true", "train.recompute=selective"],
     "moe_tp2_sp": ["model=tiny_moe", "parallel.tp=2", "parallel.sp=true"],
     "moe_ep2": ["model=tiny_moe", "parallel.ep=2"],
+    "cp2": ["parallel.cp=2", "parallel.cp_comm_type=all_gather"],  # each rank s/cp tokens, K/V gathered to s
 }
 
 
@@ -59,10 +61,17 @@ def _overrides(world: int, extra: Sequence[str], layers: int) -> List[str]:
 def _saved_bytes(model, cfg) -> int:
     import torch
 
+    from megatron.core import parallel_state
+
+    from megatron_recipes.training.step import cp_share
+
     b, s = cfg.train.micro_batch_size, cfg.train.seq_length
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab_size, (b, s), generator=gen)
     position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    cp = (parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank())
+    share = cp_share({"tokens": tokens, "position_ids": position_ids}, *cp)  # the trainer's CP split
+    tokens, position_ids = share["tokens"], share["position_ids"]
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: Dict[int, int] = {}
 
