@@ -107,6 +107,7 @@ def _reference_attention(q, k, v, masked):
 def _rank_attention(packed: bool):
     """CP attention on this rank's chunks vs hand-written full attention: outputs and q/k/v gradients."""
     from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.schedules import custom_backward
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -136,7 +137,8 @@ def _rank_attention(packed: bool):
     (ref_out * weight).sum().backward()
     mine = [split_for_cp(t, 2, rank, seq_dim=0).clone().requires_grad_() for t in (q, k, v)]
     out = attention(*mine, local_mask)
-    (out * split_for_cp(weight, 2, rank, seq_dim=0)).sum().backward()
+    # the schedules' own backward call (Tensor.backward would run outside the CPU lane's device mapping)
+    custom_backward((out * split_for_cp(weight, 2, rank, seq_dim=0)).sum(), None)
     diffs = {"out": (out - split_for_cp(ref_out, 2, rank, seq_dim=0)).abs().max().item()}
     for name, got, ref in zip("qkv", mine, ref_in):
         diffs[f"grad_{name}"] = (got.grad - split_for_cp(ref.grad, 2, rank, seq_dim=0)).abs().max().item()

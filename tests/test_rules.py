@@ -56,10 +56,10 @@ CASES: Dict[str, Case] = {
     "cp.hierarchical_sizes": (
         L70,
         ("parallel.cp_comm_type=a2a+p2p",),
-        ("parallel.cp_comm_type=a2a+p2p", "parallel.cp=4", "parallel.pp=2", "parallel.cp_hierarchical_sizes=[2,2]"),
+        ("parallel.cp_comm_type=a2a+p2p", "parallel.cp=4", "cluster.nodes=16", "parallel.cp_hierarchical_sizes=[2,2]"),
     ),
     "cp.local_attention_all_gather": (TINY, ("parallel.tp=1", "parallel.cp=2"), ("parallel.tp=1", "parallel.cp=2", "parallel.cp_comm_type=all_gather")),
-    "cp.packing_te": (L70_SFT, ("data.sft_path=train.jsonl", "parallel.cp=2"), ("data.sft_path=train.jsonl", "parallel.cp=2", "data.packing=false")),
+    "cp.packing_te": (L70_SFT, ("data.sft_path=train.jsonl", PT, "parallel.cp=2"), ("data.sft_path=train.jsonl", PT, "parallel.cp=2", "data.packing=false")),
     "cluster.nvlink_domain_shape": (TINY, ("cluster.nvlink_domain=3",), ("cluster.nvlink_domain=4",)),
     "model.query_groups_divide_heads": (TINY, ("model.num_query_groups=3",), ("model.num_query_groups=4",)),
     "model.head_dim": (

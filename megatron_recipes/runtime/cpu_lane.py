@@ -50,12 +50,14 @@ def _as_cpu(device: Any) -> Any:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites CUDA device arguments of every torch call to CPU (factories, ``.to``, ``.cuda``)."""
+    """Rewrites CUDA device arguments of every torch call to CPU (factories, ``.to``, ``.cuda``), unpins."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if "device" in kwargs:
             kwargs["device"] = _as_cpu(kwargs["device"])
+        if kwargs.get("pin_memory"):  # pinned memory needs an accelerator (e.g. the CP rotary-embedding split)
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.to and len(args) > 1:
