@@ -160,7 +160,7 @@ def test_layer_spec_cp_flag():
 
     cfg = compose_recipe("tiny_llama_cpu", ["parallel=none", "cluster.gpus_per_node=1"])
     config = transformer_config_for(cfg)
-    assert spec_supports_context_parallel(layer_spec(cfg, config, use_te=False))
+    assert spec_supports_context_parallel(layer_spec(cfg, config, pp_rank=0, use_te=False))
     assert not spec_supports_context_parallel(get_gpt_layer_local_spec())  # megatron-core's own local spec
 
 
