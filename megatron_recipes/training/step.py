@@ -82,6 +82,11 @@ def _attention_inputs(batch: Dict[str, torch.Tensor], device: torch.device, use_
 
     segments = segments.to(device, non_blocking=True)
     if use_te:
+        if cp[0] > 1:  # TE's THD CP split is per sample, which cp_share does not do
+            from megatron_recipes.config.errors import RecipeError
+
+            raise RecipeError("packed sequences with parallel.cp>1 on Transformer Engine are not supported (rule cp.packing_te)",
+                              fix="set data.packing=false, or parallel.cp=1")
         return {"attention_mask": None, "packed_seq_params": attention.packed_seq_params(segments)}
     mask = attention.packed_attention_mask(segments)
     if cp[0] > 1:
