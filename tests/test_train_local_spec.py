@@ -65,18 +65,20 @@ def test_adapted_spec_uses_sdpa_and_flags_norms_only_under_sequence_parallelism(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+    from megatron_recipes.models.context_parallel import ContextParallelSDPAttention
     from megatron_recipes.models.local_spec import SDPAttention, SequenceParallelTorchNorm, adapt_local_spec
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     plain = adapt_local_spec(spec, config)
     layer = plain.layer_specs[0].submodules
-    assert layer.self_attention.submodules.core_attention is SDPAttention
+    core = layer.self_attention.submodules.core_attention
+    assert core is ContextParallelSDPAttention and issubclass(core, SDPAttention)  # SDPA, CP-capable
     assert layer.input_layernorm is WrappedTorchNorm  # untouched without SP
 
     sp_config = dataclasses.replace(config, sequence_parallel=True, tensor_model_parallel_size=2)
     sp = adapt_local_spec(spec, sp_config)
     assert sp.layer_specs[0].submodules.input_layernorm is SequenceParallelTorchNorm and sp.layer_norm is SequenceParallelTorchNorm
-    assert spec.layer_specs[0].submodules.self_attention.submodules.core_attention is not SDPAttention  # a copy
+    assert not issubclass(spec.layer_specs[0].submodules.self_attention.submodules.core_attention, SDPAttention)  # a copy
 
     norm = SequenceParallelTorchNorm(sp_config, 128, eps=1e-5)
     assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel is True
