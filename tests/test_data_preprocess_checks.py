@@ -164,3 +164,18 @@ def test_index_cache_follows_content_not_path(tmp_path, tok_dir):
     assert len(seen) == len(second) and first.dataset_path == second.dataset_path == prefix
     assert second.document_index.max() < 12
     assert len(list((tmp_path / "cache" / "index").iterdir())) == 2  # one cache folder per content
+
+
+def test_progress_counts_documents_bytes_and_eta(tmp_path, tok_dir, monkeypatch, capsys):
+    """Not on a terminal, preprocessing prints plain lines with documents, the share of input bytes and a rate."""
+    from megatron_recipes import progress
+
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    monkeypatch.setattr(progress, "INTERVAL_S", 0.0)
+    texts = stdlib_texts(30)
+    write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts])
+    preprocess(str(tmp_path / "a.jsonl"), str(tmp_path / "out"), tok_dir, workers=1, batch_size=10)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("preprocess:")]
+    size = (tmp_path / "a.jsonl").stat().st_size
+    assert any("ETA" in line and "documents" in line for line in lines[:-1]), lines
+    assert f"{len(texts):,} documents" in lines[-1] and progress.human(size, "B") in lines[-1], lines

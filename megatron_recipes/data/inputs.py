@@ -32,6 +32,7 @@ class TextBatch:
     texts: List[str]
     missing: int = 0
     rows: int = 0  # input rows this batch covers (documents + missing)
+    nbytes: int = 0  # input bytes it consumed (JSON lines: the raw lines; other forms: the text's characters)
 
 
 def expand_inputs(spec: str) -> List[str]:
@@ -117,9 +118,10 @@ def _bad_row(path: str, where: str, key: str, value) -> RecipeError:
 
 
 def _json_lines(path: str, key: str, batch_bytes: int, max_docs: int) -> Iterator[TextBatch]:
-    batch, size, missing, rows, with_key, first_fields = [], 0, 0, 0, 0, None
+    batch, size, missing, rows, with_key, first_fields, consumed = [], 0, 0, 0, 0, None, 0
     with _open_binary(path) as handle:
         for number, raw in enumerate(handle, start=1):
+            consumed += len(raw)
             try:
                 record = json.loads(raw)
             except UnicodeDecodeError as exc:
@@ -154,8 +156,8 @@ def _json_lines(path: str, key: str, batch_bytes: int, max_docs: int) -> Iterato
             batch.append(text)
             size += len(text)
             if size >= batch_bytes or len(batch) >= max_docs:
-                yield TextBatch(batch, missing, len(batch) + missing)
-                batch, size, missing = [], 0, 0
+                yield TextBatch(batch, missing, len(batch) + missing, consumed)
+                batch, size, missing, consumed = [], 0, 0, 0
     if rows == 0:
         raise RecipeError(f"input '{path}' holds no rows (empty file)", fix="remove it from input=, or re-create it")
     if with_key == 0:
@@ -164,7 +166,7 @@ def _json_lines(path: str, key: str, batch_bytes: int, max_docs: int) -> Iterato
             fix=f"pass text_key=<one of {', '.join(first_fields)}>" if first_fields else "write objects with a text field",
         )
     if batch or missing:
-        yield TextBatch(batch, missing, len(batch) + missing)
+        yield TextBatch(batch, missing, len(batch) + missing, consumed)
 
 
 def _check_column(path: str, key: str, names: List[str], arrow_type) -> None:
@@ -184,10 +186,10 @@ def _split_by_size(texts: List[str], batch_bytes: int) -> Iterator[TextBatch]:
     for i, text in enumerate(texts):
         size += len(text)
         if size >= batch_bytes:
-            yield TextBatch(texts[start : i + 1], 0, i + 1 - start)
+            yield TextBatch(texts[start : i + 1], 0, i + 1 - start, size)
             start, size = i + 1, 0
     if start < len(texts):
-        yield TextBatch(texts[start:], 0, len(texts) - start)
+        yield TextBatch(texts[start:], 0, len(texts) - start, size)
 
 
 def _arrow_batches(path: str, key: str, record_batches, batch_bytes: int, start_row: int = 0) -> Iterator[TextBatch]:
@@ -267,6 +269,15 @@ def _disk(path: str, key: str, split: Optional[str], batch_bytes: int, max_docs:
     _check_column(path, key, loaded.column_names, column_type)
     ds = loaded.select_columns([key]).with_format("arrow")
     yield from _arrow_batches(path, key, ds.iter(batch_size=max_docs), batch_bytes)
+
+
+def plain_input_bytes(spec: str) -> Optional[int]:
+    """Total bytes of the inputs when every one is an uncompressed JSON-lines file (what progress can count
+    exactly, for an ETA); None otherwise."""
+    paths = expand_inputs(spec)
+    if all(input_format(p) == "json" and _strip_compression(p.lower()) == p.lower() for p in paths):
+        return sum(os.path.getsize(p) for p in paths)
+    return None
 
 
 def iter_text_batches(spec: str, key: str, split: Optional[str] = None, batch_bytes: int = 1 << 20,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import queue
 import shutil
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -172,7 +171,8 @@ def preprocess(
 ) -> PreprocessSummary:
     """Tokenize every document (+ EOD) of the inputs, in order, into ``<output_prefix>.bin/.idx``."""
     from megatron_recipes.data.fast_tokenizer import load_preprocess_tokenizer
-    from megatron_recipes.data.inputs import expand_inputs, input_format, iter_text_batches
+    from megatron_recipes.data.inputs import expand_inputs, input_format, iter_text_batches, plain_input_bytes
+    from megatron_recipes.progress import Progress
 
     started = time.perf_counter()
     workers = workers or len(os.sched_getaffinity(0))
@@ -188,8 +188,9 @@ def preprocess(
     remove_stale_temporaries(output_prefix)
     encode = tok.backend.encode_batch_fast if workers > 1 else (lambda texts, **kw: [tok.backend.encode(t, **kw) for t in texts])
     rows = missing = empty = 0
-    last_report = started
-    with indexed_writer(output_prefix, out_dtype) as writer:
+    bar = Progress("preprocess", total=plain_input_bytes(input_spec), unit="B", items_unit="documents",
+                   enabled=show_progress)
+    with bar, indexed_writer(output_prefix, out_dtype) as writer:
         for batch in _read_ahead(iter_text_batches(input_spec, text_key, split, batch_bytes, batch_size)):
             rows += batch.rows
             missing += batch.missing
@@ -198,10 +199,7 @@ def preprocess(
                 empty += skipped
                 if len(lengths):
                     writer.add_batch(flat, lengths)
-            if show_progress and time.perf_counter() - last_report >= 10:
-                last_report = time.perf_counter()
-                print(f"preprocess: {rows:,} rows, {writer.tokens:,} tokens, {writer.tokens / (last_report - started):,.0f} tokens/s",
-                      file=sys.stderr, flush=True)
+            bar.update(batch.nbytes, items=batch.rows - batch.missing)
         if writer.documents == 0:
             raise RecipeError(
                 f"no document of '{input_spec}' has any token ({rows} rows: {empty} empty, {missing} without '{text_key}'); "
