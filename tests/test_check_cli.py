@@ -1,7 +1,8 @@
 """`megatron-recipes check` end to end, as a user runs it: real ranks on gloo, real checkpoints.
 
 Cheap cases only (CI): tiny_llama_lora (TP2 with adapters, built-in chat data), a layout broken on purpose
-(exit 1 with the first diverging step), a CP layout (exit 2: not provable on this build yet), and one
+(exit 1 with the first diverging step), a CP layout (proven with all_gather, the CPU lane's CP attention), a
+CP layout the CPU lane cannot run (exit 2 with the reason, nothing trained), and one
 shrunk big recipe (Qwen3-30B-A3B: PP2 x EP4 x DP4 with the distributed optimizer and overlapped reduction).
 """
 
@@ -48,10 +49,21 @@ def test_wrong_pipeline_split_trains_wrong_at_step_1(tmp_path, cache):
     assert "TRAINS WRONG" in out and "first diverging step: 1" in out
 
 
-def test_context_parallel_layout_cannot_be_proven_yet(tmp_path):
-    code, out = check(tmp_path, "llama3_8b_pretrain")
+def test_context_parallel_layout_is_proven_with_all_gather(tmp_path, cache):
+    # the tiny model as if written for an H100 node with p2p CP (the default): the check runs it as all_gather
+    code, out = check(tmp_path, "tiny_llama_cpu", f"data.cache_dir={cache}", *SMALL, "model.vocab_size=640",
+                      "cluster=h100_8gpu", "cluster.gpus_per_node=2", "precision=bf16", "parallel.tp=1", "parallel.cp=2")
+    assert code == 0, out
+    assert "verdict: PROVEN" in out and "TP1 PP1 CP2 DP" in out and "resumed on one rank" in out
+    assert "CP=2 proven with cp_comm_type=all_gather on the CPU lane" in out
+    assert "the recipe's p2p exchange needs Transformer Engine and is validated only" in out
+
+
+def test_context_parallel_layout_the_cpu_lane_cannot_run_exits_2(tmp_path):
+    code, out = check(tmp_path, "tiny_llama_cpu", "parallel.tp=1", "parallel.cp=2", "parallel.cp_comm_type=all_gather",
+                      "model.sliding_window=8")
     assert code == 2, out
-    assert "CANNOT PROVE YET" in out and "CP=2" in out and "Nothing was trained" in out
+    assert "CANNOT PROVE" in out and "CP=2" in out and "sliding" in out and "Nothing was trained" in out
     assert not (tmp_path / "check").exists()
 
 

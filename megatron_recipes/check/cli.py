@@ -41,16 +41,21 @@ MOCK = ["data=mock", "data.builtin_max_files=80", "data.builtin_vocab_size=600"]
 def context_parallel_unproven(cfg: RunConfig) -> Optional[str]:
     """Why this build cannot run ``cfg``'s CP>1 layout on CPU ranks (None when it can).
 
-    The one place the check decides about context parallelism: it asks the project's own rule table and
-    capability checks, so it flips by itself once CP runs on the CPU lane.
+    The one place the check decides about context parallelism: the project's rule table and capability
+    checks (the CPU lane's CP attention is ``cp_comm_type=all_gather``; the shrink step asks for it), then
+    what that attention itself refuses (sliding windows, unequal MLA head sizes, ...).
     """
     if cfg.parallel.cp <= 1:
         return None
     from megatron_recipes.config.validate import validate
     from megatron_recipes.models.capabilities import unmet_requirements
+    from megatron_recipes.models.context_parallel import local_cp_limits
 
     reasons = [v.message for v in validate(cfg) if v.rule_id.startswith("cp.")]
     reasons += [r for r in unmet_requirements(cfg) if "parallel.cp" in r]
+    limits = local_cp_limits(cfg)
+    if limits:
+        reasons.append(f"the CPU lane's CP attention (all_gather, no Transformer Engine) does not support {', '.join(limits)}")
     return "; ".join(reasons) or None
 
 
@@ -160,7 +165,7 @@ def main(argv: List[str]) -> int:
         print(f"  - {note}")
     why = context_parallel_unproven(layout_cfg)
     if why:
-        print(f"verdict: CANNOT PROVE YET: the layout has CP={layout_cfg.parallel.cp}, which this build cannot run on "
+        print(f"verdict: CANNOT PROVE: the layout has CP={layout_cfg.parallel.cp}, which this build cannot run on "
               f"CPU ranks ({why}). Nothing was trained.", file=sys.stderr)
         return 2
     _validated(args.recipe, planned["layout"], "shrunk layout")
@@ -181,14 +186,26 @@ def main(argv: List[str]) -> int:
                 code = runs.RECIPE_ERROR if result.returncode == runs.RECIPE_ERROR else 1
                 print(f"verdict: {'RECIPE ERROR' if code == 2 else 'FAILED'}: the {name} run exited with {result.returncode}", file=sys.stderr)
                 return code
-    return _report(results, steps, stop, rtol, small, layout_cfg.parallel.vpp)
+    return _report(results, steps, stop, rtol, small, layout_cfg.parallel.vpp, _cp_scope(cfg, layout_cfg))
+
+
+def _cp_scope(cfg: RunConfig, layout_cfg: RunConfig) -> str:
+    """What a PROVEN verdict says about CP: the exchange that ran here, and the recipe's when that differs."""
+    cp = layout_cfg.parallel.cp
+    if cp <= 1:
+        return ""
+    ran = layout_cfg.parallel.cp_comm_type
+    text = f"CP={cp} proven with cp_comm_type={ran} on the CPU lane"
+    if cfg.parallel.cp_comm_type != ran:
+        text += f"; the recipe's {cfg.parallel.cp_comm_type} exchange needs Transformer Engine and is validated only"
+    return text
 
 
 def _pick(values: dict, steps: range) -> List[float]:
     return [values[s] for s in steps if s in values]
 
 
-def _report(results, steps: int, stop: int, rtol: float, small: Shrunk, vpp: Optional[int]) -> int:
+def _report(results, steps: int, stop: int, rtol: float, small: Shrunk, vpp: Optional[int], cp_scope: str = "") -> int:
     """Tables, then the verdict; the layout's logged steps are judged even when its run then failed."""
     ref, lay = results["reference"], results["layout"]
     trained = range(1, stop + 1)
@@ -225,4 +242,6 @@ def _report(results, steps: int, stop: int, rtol: float, small: Shrunk, vpp: Opt
     scaled = f" (with {', '.join(n.upper() for n in small.reduced)} reduced: see above)" if small.reduced else ""
     print(f"\nverdict: PROVEN{scaled}: layout {small.degrees.text(vpp)} trains like one rank ({first.reason}, "
           "loss and gradient norm), and its checkpoint reloads resharded at another layout with the same next steps")
+    if cp_scope:
+        print(f"  {cp_scope}")
     return 0

@@ -4,11 +4,15 @@ What is kept: the parallel degrees (TP, PP, VPP, CP, EP, ETP, SP; DP and, where 
 rank budget, the largest other degrees are scaled down and each change is reported), the layers of every
 pipeline stage and virtual chunk (uneven first/last stages included), heads and query groups divisible as
 TP needs (GQA stays GQA), the number of experts, router top-k and grouping, MLA/MoE/shared-expert/MTP
-structure, a sequence length divisible for SP and CP, and whether the vocabulary is padded (the remainder
+structure, a sequence length divisible by 2*CP (and by TP under SP), and whether the vocabulary is padded (the remainder
 modulo make_vocab_size_divisible_by x TP is kept). What shrinks: widths, vocabulary, sequence, batch.
 
 Everything is expressed as Hydra overrides on the user's own recipe, so the check trains the recipe
 through the same composition, rule table and trainer as ``megatron-recipes train``.
+
+CP>1 runs with ``cp_comm_type=all_gather``: the only CP attention without Transformer Engine (the local
+spec's, models/context_parallel.py). The recipe's own exchange (p2p, a2a, a2a+p2p) is TE's and is only
+validated by the rule table; the shrunk layout says so in its notes.
 """
 
 from __future__ import annotations
@@ -155,7 +159,13 @@ def _batch(cfg: RunConfig, d: Degrees, vpp: Optional[int]) -> Dict[str, object]:
     """Micro-batches of one sequence; PP of them per DP rank (the pipeline fills, interleaving takes whole
     rounds), at least 2 (gradient accumulation is part of the proof)."""
     micro = max(d.pp, 2)
-    return {"train.seq_length": SEQ, "train.micro_batch_size": 1, "train.global_batch_size": micro * d.dp}
+    return {"train.seq_length": seq_length(d, cfg.parallel.sp), "train.micro_batch_size": 1, "train.global_batch_size": micro * d.dp}
+
+
+def seq_length(d: Degrees, sp: bool) -> int:
+    """The smallest multiple of 2*CP (load-balanced causal chunks) and of TP under SP that is >= SEQ."""
+    step = math.lcm(2 * d.cp if d.cp > 1 else 1, d.tp if sp else 1)
+    return step * -(-SEQ // step)
 
 
 def _fmt(value: object) -> str:
@@ -187,6 +197,12 @@ def shrink(cfg: RunConfig, max_ranks: int = 8, max_layers_per_chunk: Optional[in
     layout.update({"parallel.tp": d.tp, "parallel.pp": d.pp, "parallel.cp": d.cp, "parallel.ep": d.ep,
                    "parallel.etp": d.etp if p.etp is not None else None,
                    "cluster.gpus_per_node": d.world, "cluster.nvlink_domain": d.world})
+    if d.cp > 1 and p.cp_comm_type != "all_gather":
+        layout.update({"parallel.cp_comm_type": "all_gather", "parallel.cp_hierarchical_sizes": None})
+        notes.append(
+            f"CP={d.cp} runs with cp_comm_type=all_gather, the only CP attention on the CPU lane; the recipe's "
+            f"{p.cp_comm_type} exchange needs Transformer Engine and is validated only, not proven"
+        )
     if d.pp == 1:
         layout.update({"parallel.vpp": None, "parallel.num_layers_in_first_pipeline_stage": None,
                        "parallel.num_layers_in_last_pipeline_stage": None,

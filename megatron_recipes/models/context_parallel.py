@@ -13,7 +13,8 @@ on a GPU with Transformer Engine and nothing could test it. The scheme is TE's `
   Packed sequences bring their own mask (``cp_packed_attention_mask``: local query rows, gathered key
   columns), so per-sample boundaries are honoured exactly.
 
-``spec_supports_context_parallel`` answers, for a built layer spec, whether its core attention can run CP.
+``spec_supports_context_parallel`` answers, for a built layer spec, whether its core attention can run CP;
+``local_cp_limits`` answers, before anything is built, what of a recipe this attention cannot run under CP.
 """
 
 from __future__ import annotations
@@ -73,6 +74,21 @@ def _unsupported_under_cp(config, attention_dropout: Optional[float]) -> list:
         problems.append("apply_query_key_layer_scaling")
     if dropout:
         problems.append(f"attention dropout {dropout}")
+    return problems
+
+
+def local_cp_limits(cfg) -> list:
+    """What of ``cfg`` (a RunConfig at cp>1) this module's CP attention cannot run, as the attention itself
+    would refuse it at build or forward time; empty when it can."""
+    from megatron_recipes.models.transformer_config import build_transformer_config
+
+    config = build_transformer_config(cfg, use_te=False, cpu_init=True)
+    problems = _unsupported_under_cp(config, None)
+    m = cfg.model
+    if m.multi_latent_attention and m.qk_head_dim + m.qk_pos_emb_head_dim != m.v_head_dim:
+        problems.append(
+            f"multi-latent attention with query/key head size {m.qk_head_dim}+{m.qk_pos_emb_head_dim} != value head size {m.v_head_dim}"
+        )
     return problems
 
 
