@@ -40,5 +40,5 @@ def test_two_way_blend_trains_on_cpu(tmp_path):
     assert len(losses) == 30 and all(math.isfinite(x) for x in losses)
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5  # it learns from the blended stream
     assert len(val) == 2 and all(math.isfinite(x) for x in val)
-    index = list((cache / "index").iterdir())
+    index = list((cache / "index").rglob("*"))  # one folder per data content key (data/pretrain.index_cache_path)
     assert any("BlendedDataset" in p.name for p in index)  # megatron-core's blend, cached under data.cache_dir
