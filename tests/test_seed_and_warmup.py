@@ -67,3 +67,13 @@ def test_seed_checkpoint_makes_two_layouts_start_equal(tmp_path):
     again = ts.train(tmp_path / "seed", cache, *common, "parallel=none", nproc=1).check()
     assert "initial weights from this run's seed checkpoint" in again.output
     assert ts.relative_diffs(again.series("loss"), runs["one"])[0] <= 1e-6
+
+
+def test_full_sft_seed_needs_no_pretrained_checkpoint():
+    """A seed run (train_iters=0) of an SFT recipe trains nothing, so it must not ask for starting weights
+    (``check`` makes its step-0 checkpoint this way); one that trains still must."""
+    seed = ["peft=none", "checkpoint.pretrained=null", "train.train_iters=0"]
+    ids = [v.rule_id for v in validate(compose_recipe("tiny_llama_sft", seed))]
+    assert "peft.needs_pretrained" not in ids, ids
+    trains = [v.rule_id for v in validate(compose_recipe("tiny_llama_sft", seed[:2] + ["train.train_iters=6"]))]
+    assert "peft.needs_pretrained" in trains, trains

@@ -159,13 +159,16 @@ def _batch(cfg: RunConfig, d: Degrees, vpp: Optional[int]) -> Dict[str, object]:
     """Micro-batches of one sequence; PP of them per DP rank (the pipeline fills, interleaving takes whole
     rounds), at least 2 (gradient accumulation is part of the proof)."""
     micro = max(d.pp, 2)
-    return {"train.seq_length": seq_length(d, cfg.parallel.sp), "train.micro_batch_size": 1, "train.global_batch_size": micro * d.dp}
+    # Chat samples must fit whole (SFT drops or refuses longer ones), so SFT keeps the recipe's length.
+    base = cfg.train.seq_length if cfg.data.kind == "sft" else SEQ
+    return {"train.seq_length": seq_length(d, cfg.parallel.sp, base), "train.micro_batch_size": 1,
+            "train.global_batch_size": micro * d.dp}
 
 
-def seq_length(d: Degrees, sp: bool) -> int:
-    """The smallest multiple of 2*CP (load-balanced causal chunks) and of TP under SP that is >= SEQ."""
+def seq_length(d: Degrees, sp: bool, base: int = SEQ) -> int:
+    """The smallest multiple of 2*CP (load-balanced causal chunks) and of TP under SP that is >= ``base``."""
     step = math.lcm(2 * d.cp if d.cp > 1 else 1, d.tp if sp else 1)
-    return step * -(-SEQ // step)
+    return step * -(-base // step)
 
 
 def _fmt(value: object) -> str:

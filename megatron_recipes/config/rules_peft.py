@@ -185,8 +185,8 @@ def _prefix_layout(cfg: RunConfig) -> Optional[str]:
 )
 def _needs_pretrained(cfg: RunConfig) -> Optional[str]:
     m = _method(cfg)
-    if not m or cfg.checkpoint.pretrained:
-        return None
+    if not m or cfg.checkpoint.pretrained or cfg.train.train_iters == 0:
+        return None  # train_iters=0 writes seed weights and trains nothing (the `check` seed run does this)
     if not m.none:
         return f"peft.method={cfg.peft.method} freezes the base, but checkpoint.pretrained is unset: it would train adapters on random weights"
     if cfg.data.kind == "sft":
