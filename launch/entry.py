@@ -21,7 +21,7 @@ from megatron_recipes.cli_args import split_args
 from megatron_recipes.config.compose import compose_recipe
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.launch import commands
+from megatron_recipes.slurm import commands
 
 PROG = "python -m megatron_recipes._launch.entry"
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "0.0.0.0")

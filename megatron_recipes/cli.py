@@ -13,11 +13,11 @@ from megatron_recipes.config.errors import RecipeError
 # subcommand -> "module:function"; each function takes argv (after the subcommand) and returns an exit code
 SUBCOMMANDS = {
     "train": ("megatron_recipes.training.cli:main", "train a recipe (torchrun, or self-spawned CPU ranks)"),
-    "plan": ("megatron_recipes.topology.cli:main", "validate a recipe, print its layout, groups and memory"),
+    "plan": ("megatron_recipes.plan.cli:main", "validate a recipe, print its layout, groups and memory"),
     "check": ("megatron_recipes.check.cli:main", "prove a recipe's parallel layout on CPU ranks against one rank"),
     "convert": ("megatron_recipes.convert.cli:main", "HF <-> Megatron checkpoints: import, export, verify"),
     "data": ("megatron_recipes.data.cli:main", "preprocess corpora, build index caches"),
-    "slurm": ("megatron_recipes.launch.cli:main", "render or submit sbatch scripts"),
+    "slurm": ("megatron_recipes.slurm.cli:main", "render or submit sbatch scripts"),
     "report": ("megatron_recipes.report.cli:main", "write a run directory's report.html (also while it runs)"),
 }
 

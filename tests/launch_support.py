@@ -7,8 +7,8 @@ import stat
 from pathlib import Path
 from typing import Iterable, List
 
-from megatron_recipes.launch.plan import build_plan
-from megatron_recipes.launch.script import render_script
+from megatron_recipes.slurm.launch_plan import build_plan
+from megatron_recipes.slurm.script import render_script
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -57,7 +57,7 @@ def test_every_recipe_in_the_tree_is_valid_once_user_inputs_are_given(recipe):
 
 def test_model_configs_match_published_sizes():
     """A few architecture numbers as published (the planner's parameter count is tested elsewhere)."""
-    from megatron_recipes.topology.params import active_params, model_params
+    from megatron_recipes.plan.params import active_params, model_params
 
     expect = {  # total, active, in billions, within 1%
         "llama3_8b_pretrain": (8.03, 8.03),

@@ -14,7 +14,7 @@ import pytest
 from data_support import small_builtin
 
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.data import cache
+from megatron_recipes.data import artifact_cache as cache
 
 
 @pytest.fixture(scope="module")

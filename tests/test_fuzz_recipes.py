@@ -23,7 +23,7 @@ from megatron_recipes.config.compose import compose_recipe, list_recipes
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.rules_values import walk
 from megatron_recipes.config.validate import validate
-from megatron_recipes.topology.plan import build_plan
+from megatron_recipes.plan.summary import build_plan
 
 SEED, PER_RECIPE = 1312, 16
 NUMBERS = ["0", "-1", "1", "2", "3", "7", "-0.0", "1e308", "-1e308", "9223372036854775808", "nan", "inf", "-inf",

@@ -21,8 +21,8 @@ from fuzz_support import hostile_text
 from launch_support import hydra_str, stub_env, stub_slurm_bin
 from megatron_recipes.config.compose import compose_recipe
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.launch.plan import build_plan, plan_for
-from megatron_recipes.launch.script import render_script
+from megatron_recipes.slurm.launch_plan import build_plan, plan_for
+from megatron_recipes.slurm.script import render_script
 
 SEED, CASES = 20261201, 160
 RECIPE, BASE = "tiny_llama_cpu", ("cluster=slurm_cpu", "parallel.tp=1")

@@ -12,8 +12,8 @@ from megatron_recipes._launch.entry import main as entry_main
 from megatron_recipes._launch.entry import node_problems, plan_exec
 from megatron_recipes.config.compose import compose_recipe
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.launch.dryrun import describe
-from megatron_recipes.launch.plan import build_plan
+from megatron_recipes.slurm.dryrun import describe
+from megatron_recipes.slurm.launch_plan import build_plan
 from launch_support import REPO, cpu_overrides
 
 
@@ -112,7 +112,7 @@ def test_single_node_script_launches_real_ranks():
     """launch/run_single_node.sh without Slurm: torchrun starts 2 ranks that all-reduce (the probe)."""
     env = dict(os.environ, PYTHON=sys.executable)
     res = subprocess.run(["bash", str(REPO / "launch" / "run_single_node.sh"), "tiny_llama_cpu",
-                          "--module", "megatron_recipes.launch.probe"], env=env, capture_output=True, text=True,
+                          "--module", "megatron_recipes.slurm.probe"], env=env, capture_output=True, text=True,
                          timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "[probe] ok: world=2 ranks on 1 node(s)" in res.stdout

@@ -10,7 +10,7 @@ import pytest
 from megatron_recipes.cli import main
 from megatron_recipes.config.compose import compose_recipe
 from megatron_recipes.config.validate import validate
-from megatron_recipes.topology.memory import estimate_memory
+from megatron_recipes.plan.memory import estimate_memory
 
 L70 = ["llama3_70b_pretrain", "cluster=h100_8gpu", "cluster.nodes=8"]
 

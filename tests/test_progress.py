@@ -62,7 +62,7 @@ def test_terminal_gets_a_rich_bar():
 
 def test_plan_search_reports_progress_on_stderr_off_a_terminal(capsys, monkeypatch):
     import megatron_recipes.progress as progress
-    from megatron_recipes.topology.cli import main
+    from megatron_recipes.plan.cli import main
 
     monkeypatch.setattr(progress, "DELAY_S", 0.0)  # show even quick work, one line per update
     monkeypatch.setattr(progress, "INTERVAL_S", 0.0)

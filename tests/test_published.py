@@ -9,9 +9,9 @@ import pytest
 
 from megatron_recipes.config.compose import compose_recipe
 from megatron_recipes.config.validate import validate
-from megatron_recipes.topology.memory import estimate_memory
-from megatron_recipes.topology.search import search_layouts
-from megatron_recipes.topology.steptime import estimate_step_time
+from megatron_recipes.plan.memory import estimate_memory
+from megatron_recipes.plan.search import search_layouts
+from megatron_recipes.plan.steptime import estimate_step_time
 from tests import published_support as pub
 
 H100 = [r for r in pub.load() if r.system == "DGX-H100"]
@@ -85,7 +85,7 @@ def test_search_finds_the_published_405b_split_and_prints_it():
     split and hand it back as overrides that plan accepts."""
     row = next(r for r in H100 if r.model == "LLAMA3.1_405B")
     cfg = _cfg(row)
-    from megatron_recipes.topology.search import enumerate_layouts
+    from megatron_recipes.plan.search import enumerate_layouts
 
     counted = [c for c in enumerate_layouts(cfg) if c.parallel.pp == 8 and c.parallel.vpp == 8 and c.parallel.tp == 8
                and c.parallel.cp == 2 and c.parallel.account_for_embedding_in_pipeline_split]

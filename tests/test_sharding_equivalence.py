@@ -57,8 +57,8 @@ def _assert_matches(got: List[float], ref: List[float]) -> None:
 
 
 def _assert_estimate(overrides: List[str], allocated: Dict[str, int], world: int = 2) -> None:
-    from megatron_recipes.topology.memory import model_state_bytes
-    from megatron_recipes.topology.params import stage_params
+    from megatron_recipes.plan.memory import model_state_bytes
+    from megatron_recipes.plan.params import stage_params
 
     cfg = sharding_cfg(world, *overrides)
     weights, grads, opt = model_state_bytes(cfg, stage_params(cfg, 0))
@@ -106,8 +106,8 @@ def test_hsdp_is_refused_because_it_diverges_from_single_rank(reference):
 
 def test_zero1_estimate_would_miss_fsdp_sharding():
     """The estimate distinguishes the modes: zero3 state per rank is below zero1's (a check that can fail)."""
-    from megatron_recipes.topology.memory import model_state_bytes
-    from megatron_recipes.topology.params import stage_params
+    from megatron_recipes.plan.memory import model_state_bytes
+    from megatron_recipes.plan.params import stage_params
 
     z1 = sharding_cfg(2, "precision=bf16")
     z3 = sharding_cfg(2, "precision=bf16", *MODES["fsdp_zero3"])

@@ -10,8 +10,8 @@ import pytest
 from megatron_recipes.cli import main
 from megatron_recipes.config.compose import compose_recipe
 from megatron_recipes.config.validate import validate
-from megatron_recipes.topology.memory import estimate_memory
-from megatron_recipes.topology.search import INPUT_RULES
+from megatron_recipes.plan.memory import estimate_memory
+from megatron_recipes.plan.search import INPUT_RULES
 
 F70 = ["llama3_70b_sft_fsdp", "cluster=h100_8gpu", "cluster.nodes=2"]
 ZERO1 = ["parallel.fsdp=false", "parallel.sharding=zero1", "optimizer.cpu_offload=false"]
@@ -109,7 +109,7 @@ def test_recipe_keys_reach_megatron_core_configs():
 
 
 def test_launch_environment_gives_megatron_fsdp_several_queues():
-    from megatron_recipes.launch.environment import derive_env
+    from megatron_recipes.slurm.environment import derive_env
 
     def value(*overrides):
         env = {v.name: v.value for v in derive_env(compose_recipe(F70[0], F70[1:] + list(overrides)))}

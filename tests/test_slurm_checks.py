@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from megatron_recipes.config.errors import RecipeError, ValidationError
-from megatron_recipes.launch import checks, container
-from megatron_recipes.launch.cli import main as slurm_main
-from megatron_recipes.launch.plan import build_plan
+from megatron_recipes.slurm import checks, container
+from megatron_recipes.slurm.cli import main as slurm_main
+from megatron_recipes.slurm.launch_plan import build_plan
 from launch_support import cpu_overrides, hydra_list, hydra_str
 
 GPU = ["cluster.account=llm", "cluster.partition=batch", "run.dir=/lustre/runs/x"]

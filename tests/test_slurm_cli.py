@@ -8,8 +8,8 @@ from omegaconf import OmegaConf
 
 from megatron_recipes.cli import main
 from megatron_recipes.config.schema import ClusterConfig
-from megatron_recipes.launch.plan import build_plan
-from megatron_recipes.launch.script import render_script
+from megatron_recipes.slurm.launch_plan import build_plan
+from megatron_recipes.slurm.script import render_script
 from launch_support import REPO, cpu_overrides
 
 

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from megatron_recipes.config.compose import compose_recipe
-from megatron_recipes.launch.script import CONFIG_EOF
+from megatron_recipes.slurm.script import CONFIG_EOF
 from launch_support import REPO, render
 
 GOLDEN = REPO / "tests" / "golden"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_recipes.config.compose import compose_recipe
-from megatron_recipes.launch.script import CONFIG_EOF
+from megatron_recipes.slurm.script import CONFIG_EOF
 from launch_support import (
     REPO, cpu_overrides, hydra_list, hydra_str, read_args, render, stub_env, stub_slurm_bin,
 )

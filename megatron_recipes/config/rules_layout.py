@@ -131,7 +131,7 @@ def _tp_nvlink(cfg: RunConfig) -> Optional[str]:
         return None
     domain, world = max(1, cfg.cluster.nvlink_domain), derived.world_size(cfg)
     if world_ok(cfg):  # the groups megatron-core will build
-        from megatron_recipes.topology.groups import build_group_map
+        from megatron_recipes.plan.groups import build_group_map
 
         leaving = [list(g) for g in build_group_map(cfg)["tp"].groups_leaving_domain()]
     else:  # TP groups are always blocks of tp consecutive ranks (tp is first in the rank order)

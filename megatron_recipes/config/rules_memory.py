@@ -23,7 +23,7 @@ from megatron_recipes.config.schema import RunConfig
 def _fits(cfg: RunConfig) -> Optional[str]:
     if not (model_ok(cfg) and layers_ok(cfg) and batch_ok(cfg)) or cfg.cluster.gpu_memory_gb <= 0:
         return None
-    from megatron_recipes.topology.memory import GB, estimate_memory
+    from megatron_recipes.plan.memory import GB, estimate_memory
 
     est = estimate_memory(cfg)
     if est.fits:
@@ -58,7 +58,7 @@ def _precision_hint(cfg: RunConfig, w) -> str:
 def _host_fits(cfg: RunConfig) -> Optional[str]:
     if not cfg.optimizer.cpu_offload or cfg.cluster.host_memory_gb <= 0 or not (model_ok(cfg) and layers_ok(cfg) and batch_ok(cfg)):
         return None
-    from megatron_recipes.topology.sharding import GB, host_memory
+    from megatron_recipes.plan.sharding import GB, host_memory
 
     host = host_memory(cfg)
     if host.fits:

@@ -246,7 +246,7 @@ def _ep_nvlink(cfg: RunConfig) -> Optional[str]:
     p = cfg.parallel
     if not _moe(cfg) or p.ep == 1 or not is_gpu(cfg) or p.allow_inter_node_ep or not world_ok(cfg):
         return None
-    from megatron_recipes.topology.groups import build_group_map
+    from megatron_recipes.plan.groups import build_group_map
 
     leaving = build_group_map(cfg)["ep"].groups_leaving_domain()
     if not leaving:
@@ -271,7 +271,7 @@ def _etp_nvlink(cfg: RunConfig) -> Optional[str]:
     etp = derived.expert_tensor_parallel_size(cfg)
     if not _moe(cfg) or etp == 1 or etp == p.tp or not is_gpu(cfg) or p.allow_inter_node_tp or not world_ok(cfg):
         return None  # etp == tp: tp.nvlink_domain already judges these ranks
-    from megatron_recipes.topology.groups import build_group_map
+    from megatron_recipes.plan.groups import build_group_map
 
     leaving = build_group_map(cfg)["etp"].groups_leaving_domain()
     if not leaving:

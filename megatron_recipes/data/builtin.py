@@ -19,7 +19,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from megatron_recipes.config.schema import DataConfig, RunConfig
-from megatron_recipes.data import cache
+from megatron_recipes.data import artifact_cache as cache
 
 FORMAT_VERSION = 1
 EOD_TOKEN = "<|endoftext|>"

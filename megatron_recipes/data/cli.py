@@ -78,7 +78,7 @@ def _preprocess(argv: List[str]) -> int:
 
 def _build_index(argv: List[str]) -> int:
     from megatron_recipes.config.compose import compose_recipe
-    from megatron_recipes.data.index_cache import build_index_caches
+    from megatron_recipes.data.build_index import build_index_caches
 
     args = split_args(argv, "megatron-recipes data build-index")
     cfg = compose_recipe(args.recipe, args.overrides)

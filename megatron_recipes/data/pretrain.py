@@ -16,7 +16,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.data import cache
+from megatron_recipes.data import artifact_cache as cache
 from megatron_recipes.data.indexed import check_indexed_prefix, content_fingerprint
 
 Blend = Tuple[List[str], Optional[List[float]]]

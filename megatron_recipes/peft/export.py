@@ -70,7 +70,7 @@ def _single_rank(cfg: RunConfig) -> RunConfig:
     """One rank, TP=PP=1; float32 for models small enough to verify (exact merge and logits check)."""
     from megatron_recipes.convert.layout import with_parallel
     from megatron_recipes.convert.verify import SMALL_MODEL_PARAMS
-    from megatron_recipes.topology.params import model_params
+    from megatron_recipes.plan.params import model_params
 
     single = with_parallel(cfg, ParallelConfig(), world=1)
     if model_params(single).total <= SMALL_MODEL_PARAMS:
@@ -357,7 +357,7 @@ def peft_logits(ckpt: Path, adapter_dir: Path, tokens: torch.Tensor, assets: Opt
 def _should_verify(ckpt: Path, flags: Dict[str, object]) -> bool:
     """As the conversion engine decides: on request, else for models up to its small-model size."""
     from megatron_recipes.convert.verify import SMALL_MODEL_PARAMS
-    from megatron_recipes.topology.params import model_params
+    from megatron_recipes.plan.params import model_params
 
     if flags.get("verify") and flags.get("no-verify"):
         raise RecipeError("--verify and --no-verify contradict each other", fix="pass one of them")

@@ -64,8 +64,8 @@ def _plan(run: RunData) -> None:
     """The planner's view of the recipe the run used: layout, groups, memory estimate, and its picture."""
     import tempfile
 
-    from megatron_recipes.topology.picture import draw_layout
-    from megatron_recipes.topology.plan import build_plan
+    from megatron_recipes.plan.picture import draw_layout
+    from megatron_recipes.plan.summary import build_plan
 
     try:
         run.plan = build_plan(run.cfg, run.cfg.run.name)

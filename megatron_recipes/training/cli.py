@@ -54,7 +54,7 @@ def set_rank_environment(cfg, environ=os.environ) -> List[str]:
     """What a Slurm job script exports but a single-node start (``train``, ``run_single_node.sh``, the
     in-container entry, a bare torchrun) would lack: CUDA_DEVICE_MAX_CONNECTIONS, which megatron-core's
     TP/CP communication overlap needs before CUDA initialises. A value the user set is kept."""
-    from megatron_recipes.launch.environment import cuda_device_max_connections
+    from megatron_recipes.slurm.environment import cuda_device_max_connections
 
     notes = []
     for var in cuda_device_max_connections(cfg):

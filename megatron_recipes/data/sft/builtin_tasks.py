@@ -15,7 +15,7 @@ import random
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from megatron_recipes.data import cache
+from megatron_recipes.data import artifact_cache as cache
 
 BUILTIN = "builtin"
 FORMAT_VERSION = 1

@@ -20,7 +20,7 @@ import torch
 
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.data import cache
+from megatron_recipes.data import artifact_cache as cache
 from megatron_recipes.data.sft.formats import read_conversations
 from megatron_recipes.data.sft.packing import assemble_row, first_fit_decreasing, pad_length
 from megatron_recipes.data.sft.render import ChatRenderer, TokenizedSample

@@ -11,8 +11,8 @@ from typing import Sequence
 
 from megatron_recipes.config.compose import compose_recipe
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.launch import checks, container
-from megatron_recipes.launch.commands import PROBE_MODULE, TRAIN_MODULE, LaunchPlan, default_python
+from megatron_recipes.slurm import checks, container
+from megatron_recipes.slurm.commands import PROBE_MODULE, TRAIN_MODULE, LaunchPlan, default_python
 
 
 def build_plan(

@@ -20,9 +20,9 @@ from megatron_recipes.config.rules_base import divisors
 from megatron_recipes.config.rules_layout import pipeline_split_problem
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.config.validate import validate
-from megatron_recipes.topology import sharding
-from megatron_recipes.topology.memory import MemoryEstimate, estimate_memory
-from megatron_recipes.topology.steptime import StepTime, estimate_step_time
+from megatron_recipes.plan import sharding
+from megatron_recipes.plan.memory import MemoryEstimate, estimate_memory
+from megatron_recipes.plan.steptime import StepTime, estimate_step_time
 
 # Rules on a run's inputs (files a training job reads), which planning never opens: `train` checks them.
 INPUT_RULES = ("data.indexed_needs_blend", "data.sft_needs_path", "peft.needs_pretrained")
@@ -176,7 +176,7 @@ def search_layouts(cfg: RunConfig, top: int = 5, max_validated: int = 400, progr
 
 def _search_mode(cfg: RunConfig, top: int, max_validated: int, mode: Optional[str], progress: bool) -> SearchResult:
     from megatron_recipes.progress import Progress
-    from megatron_recipes.topology.groups import build_group_map
+    from megatron_recipes.plan.groups import build_group_map
 
     label = f" ({mode})" if mode else ""
     enumerated, ranked = 0, []

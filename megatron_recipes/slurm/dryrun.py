@@ -11,9 +11,9 @@ import shlex
 from typing import List, Sequence
 
 from megatron_recipes._launch.entry import plan_exec
-from megatron_recipes.launch import commands
-from megatron_recipes.launch.commands import LaunchPlan, ShellExpr, shell_word
-from megatron_recipes.launch.script import JOB_CONFIG
+from megatron_recipes.slurm import commands
+from megatron_recipes.slurm.commands import LaunchPlan, ShellExpr, shell_word
+from megatron_recipes.slurm.script import JOB_CONFIG
 
 
 def display_line(argv: Sequence[str]) -> str:

@@ -15,7 +15,7 @@ from typing import Callable, List, Optional
 from megatron_recipes.config import derived
 from megatron_recipes.config.errors import ValidationError, Violation
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.launch import container
+from megatron_recipes.slurm import container
 
 LAUNCHERS = ("torchrun", "pmix")
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")

@@ -20,7 +20,7 @@ from megatron_recipes.config.compose import compose_recipe, to_yaml
 from megatron_recipes.config.errors import RecipeError, ValidationError
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.config.validate import validate
-from megatron_recipes.topology.search import INPUT_RULES  # `plan` says it did not check them
+from megatron_recipes.plan.search import INPUT_RULES  # `plan` says it did not check them
 
 PROG = "megatron-recipes plan"
 FLAGS = {"search": False, "picture": True, "show-config": False, "json": False, "all-groups": False, "top": True, "rules": False}
@@ -42,8 +42,8 @@ def _top(value) -> int:
 
 
 def run_search(cfg: RunConfig, recipe: str, overrides: Sequence[str], top: int, as_json: bool, console: Console) -> int:
-    from megatron_recipes.topology.report import render_search, search_rows
-    from megatron_recipes.topology.search import search_layouts
+    from megatron_recipes.plan.report import render_search, search_rows
+    from megatron_recipes.plan.search import search_layouts
 
     result = search_layouts(cfg, top=top, progress=True)  # a bar on a terminal, lines on stderr elsewhere
     if as_json:
@@ -100,8 +100,8 @@ def main(argv: Sequence[str]) -> int:
     if blocking:
         raise ValidationError(violations, recipe=recipe)
 
-    from megatron_recipes.topology.plan import build_plan
-    from megatron_recipes.topology.report import render_plan
+    from megatron_recipes.plan.summary import build_plan
+    from megatron_recipes.plan.report import render_plan
 
     all_groups = bool(args.flags.get("all-groups"))
     plan = build_plan(cfg, recipe, all_groups=all_groups)
@@ -113,7 +113,7 @@ def main(argv: Sequence[str]) -> int:
         console.print(f"not checked by plan (train checks them): {', '.join(INPUT_RULES)}")
     picture = args.flags.get("picture")
     if picture:
-        from megatron_recipes.topology.picture import draw_layout
+        from megatron_recipes.plan.picture import draw_layout
 
         path = draw_layout(cfg, str(picture), title=recipe)
         if not as_json:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Optional, TextIO
 
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.launch.commands import LaunchPlan
-from megatron_recipes.launch.script import render_script
+from megatron_recipes.slurm.commands import LaunchPlan
+from megatron_recipes.slurm.script import render_script
 from megatron_recipes.training.preemption import atomic_write_text
 
 

@@ -47,7 +47,7 @@ def _files(folder) -> set:
 
 def build_index_caches(cfg: RunConfig) -> List[str]:
     """Build (or find) every index cache the recipe's job will read; returns lines to print."""
-    from megatron_recipes.data import cache
+    from megatron_recipes.data import artifact_cache as cache
     from megatron_recipes.data.pretrain import build_pretrain_datasets, dataset_sizes
     from megatron_recipes.data.tokenizer import load_tokenizer
 

@@ -20,8 +20,8 @@ from typing import List
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.topology import activations, schedule, sharding
-from megatron_recipes.topology.params import ParamCount, stage_params
+from megatron_recipes.plan import activations, schedule, sharding
+from megatron_recipes.plan.params import ParamCount, stage_params
 
 GB = 1e9
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

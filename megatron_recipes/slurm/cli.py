@@ -13,9 +13,9 @@ from typing import List, Optional
 
 from megatron_recipes.cli_args import split_args
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.launch.dryrun import describe
-from megatron_recipes.launch.plan import build_plan
-from megatron_recipes.launch.script import render_script
+from megatron_recipes.slurm.dryrun import describe
+from megatron_recipes.slurm.launch_plan import build_plan
+from megatron_recipes.slurm.script import render_script
 
 USAGE = (
     "usage: megatron-recipes slurm render <recipe> [key=value ...] [--out FILE] [--dry-run] [--probe] [--skip-path-checks]\n"
@@ -43,14 +43,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if action == "render":
         text = render_script(plan)
         if out_path:
-            from megatron_recipes.launch.submit import write_script
+            from megatron_recipes.slurm.submit import write_script
 
             write_script(text, str(out_path))
             print(f"wrote {out_path}", file=sys.stderr)
         else:
             print(text, end="")
         return 0
-    from megatron_recipes.launch.submit import submit
+    from megatron_recipes.slurm.submit import submit
 
     result = submit(plan, wait=bool(args.flags.get("wait")))
     return int(result.exit_code or 0)

@@ -7,8 +7,8 @@ from typing import Any, Dict, List, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from megatron_recipes.topology.memory import GB
-from megatron_recipes.topology.search import SearchResult
+from megatron_recipes.plan.memory import GB
+from megatron_recipes.plan.search import SearchResult
 
 GROUP_ORDER = ("tp", "cp", "dp", "dp_cp", "pp", "ep", "etp", "edp")
 

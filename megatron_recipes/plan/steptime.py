@@ -37,8 +37,8 @@ from typing import Dict, List
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.schema import ModelConfig, RunConfig
-from megatron_recipes.topology import activations, rates, schedule
-from megatron_recipes.topology.params import Shard, attention_params, mlp_params, stage_params
+from megatron_recipes.plan import activations, rates, schedule
+from megatron_recipes.plan.params import Shard, attention_params, mlp_params, stage_params
 
 NOMINAL_TFLOPS = 1.0  # CPU clusters: relative ranking only
 NOMINAL_BW_GBPS = 10.0
@@ -215,7 +215,7 @@ def _ep_time(cfg: RunConfig, groups, tokens_local: float, act: int, moe_layers: 
 
 def estimate_step_time(cfg: RunConfig, groups=None) -> StepTime:
     """The model above for a validated layout (``groups``: a prebuilt group map, to save time)."""
-    from megatron_recipes.topology.groups import build_group_map
+    from megatron_recipes.plan.groups import build_group_map
 
     groups = groups if groups is not None else build_group_map(cfg)
     m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.cluster

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.launch import container
+from megatron_recipes.slurm import container
 
 TRAIN_MODULE = "megatron_recipes.train"
-PROBE_MODULE = "megatron_recipes.launch.probe"
+PROBE_MODULE = "megatron_recipes.slurm.probe"
 ENTRY_MODULE = "megatron_recipes._launch.entry"
 LOG_SUBDIR = "slurm"
 # Port of the rendezvous store on the head node, spread by job id so jobs sharing a node do not collide.

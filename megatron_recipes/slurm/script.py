@@ -19,8 +19,8 @@ from megatron_recipes.config import derived
 from megatron_recipes.config.compose import to_yaml
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.rules_values import CONTROL
-from megatron_recipes.launch import checks, commands, environment
-from megatron_recipes.launch.commands import LaunchPlan, ShellExpr, shell_line, shell_word
+from megatron_recipes.slurm import checks, commands, environment
+from megatron_recipes.slurm.commands import LaunchPlan, ShellExpr, shell_line, shell_word
 
 CONFIG_EOF = "MEGATRON_RECIPES_CONFIG_EOF"
 JOB_CONFIG = f"$JOB_RUN_DIR/{commands.LOG_SUBDIR}/$SLURM_JOB_ID/config.yaml"  # $CONFIG as the ranks see it
