@@ -1,4 +1,4 @@
-"""The trainer's pure parts: FLOPs/MFU, the LR schedule, optimizer mapping, log sinks and the loss plot."""
+"""The trainer's pure parts: peak memory, the LR schedule, optimizer mapping, log sinks and the loss plot."""
 
 from __future__ import annotations
 
@@ -15,60 +15,6 @@ from megatron_recipes.training import metrics, optim, sinks
 
 def _cfg(*overrides):
     return compose_recipe("tiny_llama_cpu", ["parallel=none", "cluster.gpus_per_node=1", *overrides])
-
-
-def _matmul_params(cfg) -> int:
-    """Weights that multiply activations, counted on the real megatron-core model (1 rank)."""
-    from data_support import one_rank_group
-
-    from megatron_recipes.models.builder import build_model_chunks
-    from megatron_recipes.runtime import distributed
-
-    with one_rank_group():
-        distributed.init_model_parallel(cfg)
-        try:
-            model = build_model_chunks(cfg)[0]
-            return sum(
-                p.numel()
-                for name, p in model.named_parameters()
-                if p.dim() == 2 and "word_embeddings" not in name and "router" not in name
-            )
-        finally:
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-
-
-def test_flops_per_token_is_six_times_matmul_params_plus_causal_attention():
-    cfg = _cfg()
-    m, seq = cfg.model, cfg.train.seq_length
-    attention = 6 * m.num_layers * seq * m.hidden_size  # 12 * L * seq * (heads * head_dim), halved: causal
-    assert metrics.flops_per_token(cfg) == pytest.approx(6 * _matmul_params(cfg) + attention, rel=1e-12)
-    assert metrics.flops_per_step(cfg) == metrics.flops_per_token(cfg) * cfg.train.global_batch_size * seq
-
-
-def test_moe_flops_count_only_the_routed_experts():
-    dense = _cfg()
-    moe = compose_recipe("tiny_llama_cpu", ["parallel=none", "cluster.gpus_per_node=1", "model=tiny_moe"])
-    m = moe.model
-    per_expert = 3 * 2 * m.hidden_size * m.moe_ffn_hidden_size
-    router = 2 * m.hidden_size * m.num_moe_experts
-    assert m.moe_router_topk < m.num_moe_experts
-    dense_like = compose_recipe(
-        "tiny_llama_cpu",
-        ["parallel=none", "cluster.gpus_per_node=1", "model=tiny_moe", "model.num_moe_experts=null", f"model.ffn_hidden_size={m.moe_ffn_hidden_size}"],
-    )
-    extra = m.num_layers * 3 * (per_expert * (m.moe_router_topk - 1) + router)
-    assert metrics.flops_per_token(moe) == pytest.approx(metrics.flops_per_token(dense_like) + extra, rel=1e-12)
-    assert dense.model.num_moe_experts is None
-
-
-def test_mfu_is_none_on_cpu_and_a_fraction_with_a_peak_rate():
-    cpu = _cfg()
-    assert metrics.mfu(cpu, 1.0) is None
-    gpu = _cfg("cluster=h100_8gpu", "cluster.gpus_per_node=1")
-    peak = gpu.cluster.peak_bf16_tflops * 1e12
-    assert metrics.mfu(gpu, 0.5) == pytest.approx(metrics.flops_per_step(gpu) / 0.5 / peak)
 
 
 def test_peak_memory_is_positive_on_cpu():

@@ -163,7 +163,7 @@ def render_search(result: SearchResult, recipe: str, console: Console, base_over
     if modes:
         console.print(f"the recipe's own sharding left too few layouts that fit; also searched: {', '.join(modes)} "
                       "(their commands set it; step times count one parameter all-gather per step, zero3 gathers in forward and backward)")
-    t = Table(title="fastest valid layouts (analytic step-time model; see topology/steptime.py)")
+    t = Table(title="fastest valid layouts (analytic step-time model; see plan/steptime.py)")
     for col in ("#", "tp", "pp", "vpp", "cp", "ep", "etp", "mbs", "recompute", "step s", "tok/s/GPU", "MFU", "mem GB", "margin", "bubble"):
         t.add_column(col, justify="right")
     for i, r in enumerate(rows, 1):

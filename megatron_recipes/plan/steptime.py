@@ -36,9 +36,10 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 from megatron_recipes.config import derived
-from megatron_recipes.config.schema import ModelConfig, RunConfig
-from megatron_recipes.plan import activations, rates, schedule
-from megatron_recipes.plan.params import Shard, attention_params, mlp_params, stage_params
+from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.plan import activations, cost, rates, schedule
+from megatron_recipes.plan.cost import kind_forward_flops
+from megatron_recipes.plan.params import stage_params
 
 NOMINAL_TFLOPS = 1.0  # CPU clusters: relative ranking only
 NOMINAL_BW_GBPS = 10.0
@@ -93,43 +94,6 @@ class StepTime:
         return [(k, v / self.total) for k, v in parts[:n] if v > 0]
 
 
-def _attention_core_flops(m: ModelConfig, seq: int) -> float:
-    """Causal QK^T and PV per token, forward: half the s x s square (masked tiles are skipped)."""
-    if m.multi_latent_attention:
-        d_qk, d_v = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
-    else:
-        d_qk = d_v = derived.head_dim(m)
-    window = min(seq, m.sliding_window) if m.sliding_window else seq / 2
-    return 2.0 * window * m.num_attention_heads * (d_qk + d_v)
-
-
-def layer_forward_flops(m: ModelConfig, layer: int, seq: int) -> tuple[float, float]:
-    """(matmul FLOPs, core-attention FLOPs) per token of one layer's forward, whole model width."""
-    return kind_forward_flops(m, derived.is_moe_layer(m, layer), seq)
-
-
-def kind_forward_flops(m: ModelConfig, moe: bool, seq: int) -> tuple[float, float]:
-    full = Shard(te_spec=True)
-    attn = attention_params(m, full, with_norm=False)
-    if moe:
-        moe_ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
-        mlp = m.num_moe_experts * m.hidden_size + m.moe_router_topk * mlp_params(m, moe_ffn, 1, with_norm=False)
-        if m.moe_shared_expert_intermediate_size:
-            mlp += mlp_params(m, m.moe_shared_expert_intermediate_size, 1, with_norm=False)
-    else:
-        mlp = mlp_params(m, m.ffn_hidden_size, 1, with_norm=False)
-    return 2.0 * (attn + mlp), float(_attention_core_flops(m, seq))
-
-
-def model_flops_per_token(cfg: RunConfig) -> float:
-    """Training FLOPs per token (forward + backward, no recompute), the MFU numerator."""
-    m, s = cfg.model, cfg.train.seq_length
-    n_moe = sum(derived.is_moe_layer(m, i) for i in range(m.num_layers))
-    fwd = sum(kind_forward_flops(m, False, s)) * (m.num_layers - n_moe) + (sum(kind_forward_flops(m, True, s)) * n_moe if n_moe else 0)
-    fwd += 2.0 * m.hidden_size * m.vocab_size
-    return 3.0 * fwd
-
-
 def _smallest_gemm_dim(cfg: RunConfig, moe: bool) -> float:
     """The thinnest dimension of the layer's GEMMs on one rank (tokens per expert for MoE layers)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -168,7 +132,7 @@ def _stage_compute(cfg: RunConfig, pp_rank: int, peak_bf16: float, peak_fmt: flo
             attn += core_passes * core * tokens / width / attn_rate
             traffic += passes / 3.0 * layer_bytes[moe]
     if pp_rank == max(1, p.pp) - 1:  # output layer, bf16
-        head = 3.0 * 2.0 * m.hidden_size * derived.padded_vocab_size(m, p.tp) * tokens / width
+        head = 3.0 * cost.logits_forward_flops(cfg) * tokens / width
         gemm += head / (peak_bf16 * rates.GEMM_EFFICIENCY["bf16"])
     hbm = cfg.cluster.hbm_bw_gbps * 1e9 * rates.HBM_EFFICIENCY if cfg.cluster.hbm_bw_gbps > 0 else NOMINAL_BW_GBPS * 1e9
     memory = rates.MEMORY_PASSES * traffic / hbm
@@ -281,7 +245,7 @@ def estimate_step_time(cfg: RunConfig, groups=None) -> StepTime:
         optimizer=_optimizer_time(cfg),
         tokens_per_step=t.global_batch_size * t.seq_length,
         world=derived.world_size(cfg),
-        model_flops_per_token=model_flops_per_token(cfg),
+        model_flops_per_token=cost.flops_per_token(cfg),
         peak_flops=peak_bf16,
         nominal=nominal,
         tp_unoverlapped=micro * tp_full,

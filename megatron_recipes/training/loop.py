@@ -19,6 +19,7 @@ from megatron_recipes.config.compose import to_yaml
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.models import capabilities, fusions
+from megatron_recipes.plan import cost
 from megatron_recipes.report import run_facts, write_report_after_run
 from megatron_recipes.runtime import distributed, versions
 from megatron_recipes.training import (
@@ -271,12 +272,12 @@ class Trainer:
 
     def _train_metrics(self, result: step.StepResult, window: Window) -> Dict[str, Any]:
         step_time = window.seconds / max(1, len(window.losses))
-        mfu = metrics.mfu(self.cfg, step_time)
+        mfu = cost.mfu(self.cfg, step_time)
         return {
             "loss": sum(window.losses) / len(window.losses),
             "lr": result.lr,
             "grad_norm": result.grad_norm,
-            "tokens_per_sec": metrics.tokens_per_step(self.cfg) / step_time if step_time > 0 else 0.0,
+            "tokens_per_sec": cost.tokens_per_step(self.cfg) / step_time if step_time > 0 else 0.0,
             "step_time_s": step_time,
             "mfu": mfu if mfu is not None else "n/a",
             "peak_mem_gib": metrics.max_over_ranks(metrics.peak_memory_gib()),
@@ -354,7 +355,7 @@ class Trainer:
             "backend": self.runtime.backend,
             "cpu_lane": self.runtime.cpu_lane,
             "params_on_rank0": n_params,
-            "flops_per_step": metrics.flops_per_step(cfg),
+            "flops_per_step": cost.flops_per_step(cfg),
             "start_step": self.step,
             "versions": versions.stack(),
             "layer_spec": "transformer_engine" if capabilities.use_transformer_engine() else "local",
