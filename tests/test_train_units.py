@@ -96,3 +96,20 @@ def test_loss_plot_is_a_png(tmp_path: Path):
     out = sinks.plot_losses(tmp_path / sinks.LOG_NAME, tmp_path / sinks.PLOT_NAME, title="t")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_an_evaluation_alone_does_not_reset_the_logging_window(tmp_path):
+    """log_interval=4, eval_interval=2: the step-4 line averages steps 1-4, though step 2 only evaluated."""
+    from megatron_recipes.training import loop, step
+
+    trainer = loop.Trainer.__new__(loop.Trainer)  # the bookkeeping only: no model, no process group
+    trainer.cfg = _cfg("logging.log_interval=4", "logging.eval_interval=2", "logging.eval_iters=1", "train.train_iters=8")
+    trainer.step, trainer.consumed_samples, trainer.is_logger = 0, 0, False
+    trainer.window, trainer.valid_ds = loop.Window(), object()
+    trainer.sink = sinks.MetricsLog(tmp_path, 0)
+    trainer.evaluate_metrics = lambda: {"val_loss": 9.0}  # stands in for the validation pass
+    for loss in (1.0, 2.0, 3.0, 4.0):
+        trainer._record(step.StepResult(loss=loss, num_tokens=8, grad_norm=1.0, lr=1e-3), 0.5)
+    records = {r["step"]: r["data"] for r in sinks.read_log(tmp_path / sinks.LOG_NAME) if isinstance(r.get("step"), int)}
+    assert records[2] == {"val_loss": 9.0}
+    assert records[4]["loss"] == pytest.approx(2.5) and records[4]["step_time_s"] == pytest.approx(0.5)

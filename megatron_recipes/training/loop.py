@@ -231,12 +231,7 @@ class Trainer:
         cfg = self.cfg
         start = time.perf_counter()
         result = step.train_step(cfg, self.model, self.optimizer, self.scheduler, self.train_iters, self.forward_step, self.device)
-        self.window.add(result, time.perf_counter() - start)
-        self.step += 1
-        self.consumed_samples += cfg.train.global_batch_size
-        self._stop_if_diverged(result)
-        if self._periodic(result, self.window):
-            self.window = Window()
+        self._record(result, time.perf_counter() - start)
         if self._due(cfg.checkpoint.save_interval):
             self.save()
         if self.preemption.requested(self.step):
@@ -257,18 +252,29 @@ class Trainer:
     def _due(self, interval: int) -> bool:
         return interval > 0 and (self.step % interval == 0 or self.step == self.cfg.train.train_iters)
 
-    def _periodic(self, result: step.StepResult, window: Window) -> Dict[str, Any]:
-        """Log every ``log_interval`` steps, evaluate every ``eval_interval``; returns the logged record."""
+    def _record(self, result: step.StepResult, seconds: float) -> None:
+        """Count the step, then log/evaluate what is due; a new window starts only after a training log line."""
+        self.window.add(result, seconds)
+        self.step += 1
+        self.consumed_samples += self.cfg.train.global_batch_size
+        self._stop_if_diverged(result)
+        if self._periodic(result, self.window):
+            self.window = Window()
+
+    def _periodic(self, result: step.StepResult, window: Window) -> bool:
+        """Log every ``log_interval`` steps, evaluate every ``eval_interval``; True when ``window`` was logged
+        (an evaluation alone must not reset the window the next training line averages over)."""
         cfg = self.cfg
         data: Dict[str, Any] = {}
-        if self._due(cfg.logging.log_interval):
+        logged = self._due(cfg.logging.log_interval)
+        if logged:
             data.update(self._train_metrics(result, window))
         if self._due(cfg.logging.eval_interval) and cfg.logging.eval_iters > 0 and self.valid_ds is not None:
             data.update(self.evaluate_metrics())
         if data and self.sink is not None:
             self.sink.log(self.step, data)
             self._print(data)
-        return data
+        return logged
 
     def _train_metrics(self, result: step.StepResult, window: Window) -> Dict[str, Any]:
         step_time = window.seconds / max(1, len(window.losses))
