@@ -95,7 +95,7 @@ def test_loss_plot_is_a_png(tmp_path: Path):
     log.close()
     out = sinks.plot_losses(tmp_path / sinks.LOG_NAME, tmp_path / sinks.PLOT_NAME, title="t")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
-    assert not list(tmp_path.glob(".tmp-*"))
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
 
 
 def test_an_evaluation_alone_does_not_reset_the_logging_window(tmp_path):

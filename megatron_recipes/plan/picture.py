@@ -8,10 +8,9 @@ Readable for 2-16 nodes; bigger worlds draw their first 16 nodes and say how man
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
+from megatron_recipes import files
 from megatron_recipes.config import derived
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
@@ -88,15 +87,11 @@ def draw_layout(cfg: RunConfig, out: str, title: str = "layout") -> str:
     ax.set_aspect("equal")
     ax.axis("off")
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(prefix=".picture-", suffix=path.suffix, dir=str(path.parent))
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=130, bbox_inches="tight")
-        os.replace(tmp, path)
+        with files.replacing(path) as tmp:
+            fig.savefig(tmp, format=path.suffix.lower().lstrip("."), dpi=130, bbox_inches="tight")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return str(path)
 
 

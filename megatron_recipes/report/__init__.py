@@ -21,11 +21,12 @@ __all__ = ["REPORT_NAME", "build_report", "run_facts", "write_report_after_run"]
 def build_report(run_dir: Path, out: Optional[Path] = None) -> Path:
     """Write the report of ``run_dir`` (default ``run_dir/report.html``) atomically; returns its path."""
     from megatron_recipes.report.collect import collect
-    from megatron_recipes.report.page import render, write_atomic
+    from megatron_recipes import files
+    from megatron_recipes.report.page import render
 
     run = collect(Path(run_dir))
     path = Path(out) if out is not None else run.run_dir / REPORT_NAME
-    write_atomic(path, render(run))
+    files.write_text(path, render(run))  # a browser or a sync job never sees half a page
     return path
 
 

@@ -7,12 +7,10 @@ login node or an e-mail attachment.
 from __future__ import annotations
 
 import base64
-import os
 import statistics
 from datetime import datetime
 from html import escape
-from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Iterable, List, Optional, Sequence
 
 from megatron_recipes.report.charts import fmt, line_chart
 from megatron_recipes.report.collect import RunData
@@ -196,9 +194,3 @@ def render(run: RunData) -> str:
     )
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """A reader (a browser, a sync job) never sees half a page."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

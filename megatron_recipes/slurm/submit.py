@@ -9,10 +9,10 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, TextIO
 
+from megatron_recipes import files
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.slurm.commands import LaunchPlan
 from megatron_recipes.slurm.script import render_script
-from megatron_recipes.training.preemption import atomic_write_text
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Submission:
 
 def write_script(text: str, path: str) -> str:
     """Atomic write, executable: a failed render never leaves a half script behind."""
-    atomic_write_text(path, text)
+    files.write_text(path, text)
     os.chmod(path, 0o755)
     return path
 

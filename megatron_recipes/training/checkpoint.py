@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, TypeVar
 
 import torch
 
+from megatron_recipes import files
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.training import checkpoint_identity as identity
@@ -156,8 +157,8 @@ def _finish(root: Path, step: int, meta: Dict[str, Any], cfg: RunConfig, keep_la
     from megatron_recipes.config.compose import to_yaml
 
     staging, final = store.staging_dir(root, step), store.iter_dir(root, step)
-    store.write_atomic(staging / store.CONFIG, to_yaml(cfg))
-    store.write_atomic(staging / store.META, json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    files.write_text(staging / store.CONFIG, to_yaml(cfg))
+    files.write_text(staging / store.META, json.dumps(meta, indent=2, sort_keys=True) + "\n")
     store.publish(staging, final)
     store.write_tracker(root, step)
     for path in store.prune(root, keep_last):

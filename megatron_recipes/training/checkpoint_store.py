@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from megatron_recipes import files
 from megatron_recipes.config.errors import RecipeError
 
 log = logging.getLogger(__name__)
@@ -48,31 +49,6 @@ def staging_dir(root: Path, step: int) -> Path:
 def step_of(path: Path) -> Optional[int]:
     match = _ITER.match(Path(path).name)
     return int(match.group(1)) if match else None
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems do not support fsync on directories
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so readers see the old content or the new one, never a mix."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def read_meta(ckpt_dir: Path) -> Dict[str, Any]:
@@ -138,7 +114,7 @@ def read_tracker(root: Path) -> Optional[int]:
 
 
 def write_tracker(root: Path, step: int) -> None:
-    write_atomic(Path(root) / TRACKER, f"{step}\n")
+    files.write_text(Path(root) / TRACKER, f"{step}\n")
 
 
 def complete_checkpoints(root: Path) -> List[Tuple[int, Path]]:
@@ -216,11 +192,11 @@ def publish(staging: Path, final: Path) -> None:
     for name in os.listdir(staging):
         if name.endswith(".distcp") or name in (META,) + MCORE_FILES:
             _fsync_file(staging / name)
-    _fsync_dir(staging)
+    files.fsync_dir(staging)
     if final.exists():
         _remove(final)
     os.replace(staging, final)
-    _fsync_dir(final.parent)
+    files.fsync_dir(final.parent)
 
 
 def _fsync_file(path: Path) -> None:

@@ -8,12 +8,12 @@ Every rank runs the same code; only rank 0 writes the run directory's files othe
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from megatron_recipes import files
 from megatron_recipes.config import derived
 from megatron_recipes.config.compose import to_yaml
 from megatron_recipes.config.errors import RecipeError
@@ -86,10 +86,7 @@ def _producer_hint(cfg: RunConfig) -> Optional[str]:
 
 def write_config(cfg: RunConfig, run_dir: Path) -> None:
     """The resolved recipe, as ``config.yaml`` (atomic: a reader never sees half of it)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / ".tmp-config.yaml"
-    tmp.write_text(to_yaml(cfg), encoding="utf-8")
-    os.replace(tmp, run_dir / "config.yaml")
+    files.write_text(run_dir / "config.yaml", to_yaml(cfg))
 
 
 @dataclass

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
+from megatron_recipes import files
 from megatron_recipes.config.errors import RecipeError
 
 FLAG_FILE_ENV = "MEGATRON_RECIPES_PREEMPT_FILE"
@@ -42,18 +43,6 @@ def _signal_number(name: str) -> signal.Signals:
             f"unknown signal '{name}' for preemption",
             fix="use a signal name such as USR1, USR2 or TERM (cluster.preempt_signal)",
         ) from None
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temporary name in the same folder and rename: readers see all or nothing."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def _dist_ready():
@@ -163,7 +152,7 @@ class PreemptionWatcher:
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
         }
-        atomic_write_text(self.marker_file, json.dumps(record, indent=2) + "\n")
+        files.write_text(self.marker_file, json.dumps(record, indent=2) + "\n")
         self.flag_file.unlink(missing_ok=True)
 
     def clear_marker(self) -> None:

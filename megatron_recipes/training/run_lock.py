@@ -20,6 +20,7 @@ import socket
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from megatron_recipes import files
 from megatron_recipes.config.errors import RecipeError
 
 LOCK_NAME = "run.lock"
@@ -106,9 +107,7 @@ class RunLock:
         raise RecipeError(f"could not take the lock {self.path}", fix="check that the run directory is writable")
 
     def _write(self, me: Dict[str, Any]) -> None:
-        tmp = self.path.with_name(f".{LOCK_NAME}.{me['host']}.{me['pid']}")
-        tmp.write_text(json.dumps(me))
-        os.replace(tmp, self.path)
+        files.write_text(self.path, json.dumps(me))
 
     def release(self) -> None:
         """Remove the lock file if it is still ours (a takeover by a requeued instance leaves theirs)."""

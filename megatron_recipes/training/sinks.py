@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from megatron_recipes import files
 
 if TYPE_CHECKING:
     from megatron_recipes.config.schema import RunConfig
@@ -112,9 +113,7 @@ def truncate_after(path: Path, step: int) -> None:
         return
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     keep = [line for line in lines if (_line_step(line) or 0) <= step]
-    tmp = path.with_name(".tmp-" + path.name)
-    tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
-    os.replace(tmp, path)
+    files.write_text(path, "".join(line + "\n" for line in keep))
 
 
 class MetricsLog:
@@ -183,8 +182,9 @@ def plot_losses(log_path: Path, out_path: Path, title: str = "", baseline: Optio
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = out_path.with_name(".tmp-" + out_path.name)
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    os.replace(tmp, out_path)
+    try:
+        with files.replacing(out_path) as tmp:
+            fig.savefig(tmp, format="png")
+    finally:
+        plt.close(fig)
     return out_path

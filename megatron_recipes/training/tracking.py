@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 from urllib.parse import urlparse
 
+from megatron_recipes import files
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
 
@@ -323,9 +324,7 @@ class Trackers:
         with self._lock:
             if not self.ids:  # TensorBoard has no run id
                 return
-            tmp = self.run_dir / f".tmp-{IDS_NAME}"
-            tmp.write_text(json.dumps(self.ids, indent=2) + "\n", encoding="utf-8")
-            os.replace(tmp, self.run_dir / IDS_NAME)
+            files.write_text(self.run_dir / IDS_NAME, json.dumps(self.ids, indent=2) + "\n")
 
     def log(self, step: int, data: Dict[str, Any]) -> None:
         values = scalars(data)
