@@ -1,7 +1,6 @@
 """megatron-recipes: recipes, training, conversion and launch on top of megatron-core."""
 
-from megatron_recipes.runtime import lazy_compile as _lazy_compile
-
-_lazy_compile.install()  # before anything imports megatron-core (see the module for why)
+# Importing the package changes nothing in torch or megatron-core: the entry points apply
+# runtime/patches.py explicitly.
 
 __version__ = "0.1.0"

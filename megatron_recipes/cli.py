@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown subcommand '{name}'\n  fix: use one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         return 2
     module_name, func_name = SUBCOMMANDS[name][0].split(":")
+    from megatron_recipes.runtime import patches
+
+    patches.apply("process")  # before any subcommand imports megatron-core
     try:
         func = getattr(importlib.import_module(module_name), func_name)
         return int(func(rest) or 0)

@@ -1,7 +1,8 @@
 """``python -m megatron_recipes.train`` and ``torchrun -m megatron_recipes.train``: one rank's entry.
 
-The ``__main__`` guard is required: megatron-core's checkpoint writer starts a ``spawn``
-multiprocessing manager, which re-imports the main module; without the guard that child would train.
+Applies the ``process`` patches (runtime/patches.py) before megatron-core is imported. The checkpoint
+writer no longer starts megatron-core's ``spawn`` manager (the ``save`` patch), so nothing re-imports
+this module; the ``__main__`` guard is only the usual one.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from typing import List, Optional
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from megatron_recipes.runtime import patches
+
+    patches.apply("process")
     from megatron_recipes.config.errors import RecipeError
     from megatron_recipes.training.cli import main as train_main
 

@@ -36,6 +36,9 @@ def _rank_entry(fn, rank: int, world: int, port: int, env: Dict[str, str], args:
     os.environ.update(env)
     torch.set_num_threads(1)
     try:
+        from megatron_recipes.runtime import patches
+
+        patches.apply("process")  # as the entry points do, before the rank imports megatron-core
         value = fn(*args)
         buffer = io.BytesIO()
         torch.save(value, buffer)  # plain bytes: torch's queue would share tensors via fds that die with the rank

@@ -99,6 +99,7 @@ def test_refuses_to_activate_when_cuda_is_present():
 def test_announces_itself_once_and_compile_stays_lazy():
     code = (
         "import logging, sys; logging.basicConfig(level=logging.WARNING);"
+        "import megatron_recipes.runtime.patches as patches; patches.apply('process');"  # what the entry points do
         "import megatron_recipes.runtime.cpu_lane as lane; lane.activate();"
         "import megatron.core.models.gpt;"
         "print('dynamo imported' if 'torch._dynamo' in sys.modules else 'dynamo not imported')"

@@ -7,11 +7,8 @@ computes MLA correctly once its per-head output size is the value head size (sco
 own head size and MLA passes its softmax scale), so this subclass takes the two arguments and sizes the
 output from ``v_channels``. Used only where the TE spec is not (the CPU lane, conversion).
 
-The same module also reports ``HAVE_TE`` when Transformer Engine is absent (megatron-core's TE wrapper
-module imports fine, with ``MagicMock`` placeholders) and then calls ``isinstance(x, <MagicMock>)``; the
-flag is corrected when the wrapper is not a real class. And MLA builds its YaRN rotary embedding without
-``use_cpu_initialization``, so on a machine without CUDA it asks for ``torch.device(0)``; there the
-embedding is made on the CPU (which that flag exists for).
+Two more defects of megatron-core's MLA module on this path (``HAVE_TE`` set with placeholder classes, the
+YaRN embedding built for CUDA) are the ``local_mla`` rows of ``runtime/patches.py``, applied here.
 """
 
 from __future__ import annotations
@@ -19,8 +16,9 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
-import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from megatron_recipes.runtime import patches
 
 
 class LocalMLACoreAttention(DotProductAttention):
@@ -32,34 +30,9 @@ class LocalMLACoreAttention(DotProductAttention):
         super().__init__(config, layer_number, attn_mask_type, attention_type, *args, **kwargs)
 
 
-def _fix_have_te() -> None:
-    from megatron.core.transformer import multi_latent_attention
-
-    if not isinstance(getattr(multi_latent_attention, "TELinear", None), type):
-        multi_latent_attention.HAVE_TE = False
-
-
-def _yarn_on_cpu() -> None:
-    from megatron.core.transformer import multi_latent_attention
-
-    original = multi_latent_attention.YarnRotaryEmbedding
-    if torch.cuda.is_available() or getattr(original, "on_cpu", False):
-        return
-
-    class CpuYarnRotaryEmbedding(original):
-        on_cpu = True
-
-        def __init__(self, *args, **kwargs):
-            kwargs.setdefault("use_cpu_initialization", True)
-            super().__init__(*args, **kwargs)
-
-    multi_latent_attention.YarnRotaryEmbedding = CpuYarnRotaryEmbedding
-
-
 def use_local_mla_attention(spec) -> None:
     """Swap the core attention of an MLA layer spec (in place) for ``LocalMLACoreAttention``."""
-    _fix_have_te()
-    _yarn_on_cpu()
+    patches.apply("local_mla")
     attention = getattr(spec.submodules, "self_attention", None)
     sub = getattr(attention, "submodules", None)
     if sub is not None and getattr(sub, "core_attention", None) is DotProductAttention and hasattr(sub, "linear_kv_up_proj"):

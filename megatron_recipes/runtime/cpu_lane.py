@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_recipes.runtime import patches
+
 log = logging.getLogger(__name__)
 
 _ACTIVE = False
@@ -141,32 +143,6 @@ def _patch_cuda_namespace() -> None:
     cuda.random.set_rng_state = cuda.set_rng_state
 
 
-def _patch_megatron() -> None:
-    from megatron.core.tensor_parallel import random as mcore_random
-
-    mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    # Inside a tracker fork the CPU generator *is* the forked state, so this warning is expected here.
-    logging.getLogger(mcore_random.__name__).addFilter(
-        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage()
-    )
-    try:  # megatron-core 0.16 leaves this name undefined when Transformer Engine is absent
-        from megatron.core.transformer.moe import moe_utils
-
-        if not hasattr(moe_utils, "te_general_gemm"):
-            moe_utils.te_general_gemm = None
-    except ImportError:
-        pass
-    try:  # Megatron-FSDP's adapter tests isinstance(module, (TELinear,)) (TP > 1); without TE that name is
-        # megatron-core's MagicMock stand-in, not a class, and isinstance raises TypeError
-        from megatron.core.distributed.fsdp import mcore_fsdp_adapter
-
-        if not isinstance(mcore_fsdp_adapter.TELinear, type):
-            mcore_fsdp_adapter.TELinear = type("NoTELinear", (), {})  # no module is one: the non-TE branch
-    except ImportError:
-        pass
-
-
 _CUDA_TYPE_NAMES = {
     torch.float32: "torch.cuda.FloatTensor",
     torch.float16: "torch.cuda.HalfTensor",
@@ -215,7 +191,7 @@ def activate() -> bool:
             "this machine has a GPU, so train on it directly"
         )
     _patch_cuda_namespace()
-    _patch_megatron()
+    patches.apply("cpu_lane")  # megatron-core's own CUDA-only corners (runtime/patches.py)
     _patch_tensor_type()
     _patch_all_to_all()
     _MODE = _CudaToCpuMode()

@@ -81,7 +81,6 @@ def check_world_matches(cfg: RunConfig, world: int) -> None:
 def init_model_parallel(cfg: RunConfig, timeout_minutes: float = 10.0) -> Runtime:
     """Process group + megatron-core parallel_state for the recipe's layout, and seeded RNG trackers."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     runtime = init_process_group(timeout_minutes)
     check_world_matches(cfg, runtime.world_size)

@@ -11,21 +11,16 @@ that child: it calls ``init_process_group`` with the parent's RANK/MASTER_PORT a
 address. Separately, each forked writer calls ``psutil`` before its error handling, so without psutil a
 writer dies silently and the parent waits forever on its completion queue.
 
-The queue only carries results back to the process that saves when the save is synchronous: the
-per-file writer processes (``fork`` context) report through their own local queue and the collecting
-function runs in the saving process. Our saves are synchronous, so for the duration of each save we give
-megatron-core an in-process ``queue.Queue`` in that slot: no Manager, no re-imported entry script, no
-extra interpreter importing torch on every rank, and the format, strategies and resharding are exactly
-megatron-core's. The previous value is restored afterwards, so megatron-core's own async save (should
-anyone use it) still gets its Manager queue. psutil is checked up front with a clear error.
+The queue only carries results back to the process that saves when the save is synchronous, and ours
+are, so each save runs under the ``save`` patch of ``runtime/patches.py``: an in-process ``queue.Queue``
+in that slot for the duration of the save (no Manager, no re-imported entry script; format, strategies
+and resharding exactly megatron-core's). psutil is checked up front with a clear error.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
-import queue
 import random
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
@@ -34,6 +29,7 @@ import numpy as np
 import torch
 
 from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.runtime import patches
 
 log = logging.getLogger(__name__)
 
@@ -184,26 +180,6 @@ def check_plain(value: Any, where: str = "state") -> None:
 # --- megatron-core save / load ---
 
 
-@contextlib.contextmanager
-def _in_process_write_results() -> Iterator[None]:
-    """Give megatron-core's synchronous writer an in-process results queue (see the module docstring)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if not hasattr(filesystem_async, "_results_queue"):
-        log.warning(
-            "this megatron-core's checkpoint writer has no _results_queue slot; its own multiprocessing queue "
-            "is used, so the entry script needs an `if __name__ == \"__main__\":` guard"
-        )
-        yield
-        return
-    previous = filesystem_async._results_queue
-    filesystem_async._results_queue = queue.Queue()
-    try:
-        yield
-    finally:
-        filesystem_async._results_queue = previous
-
-
 def _require_psutil() -> None:
     try:
         import psutil  # noqa: F401  (megatron-core's writer processes need it)
@@ -242,7 +218,7 @@ def save(sharded_sd: Dict[str, Any], directory: Path, content_metadata: Dict[str
     group = _dp_group()
     if group.size() > 1:
         strategy = FullyParallelSaveStrategyWrapper(strategy, group)
-    with _in_process_write_results():
+    with patches.applied("save"):
         dist_checkpointing.save(
             sharded_sd,
             str(directory),

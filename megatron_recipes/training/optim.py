@@ -16,7 +16,7 @@ from megatron_recipes.config import derived
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.models.transformer_config import params_dtype
-from megatron_recipes.training import mcore_fixes
+from megatron_recipes.runtime import patches
 
 _DECAY_STYLES = ("cosine", "linear", "constant")
 
@@ -164,9 +164,7 @@ def build_optimizer(cfg: RunConfig, model: List[torch.nn.Module]):
     from megatron.core.optimizer import get_megatron_optimizer
 
     optimizer = get_megatron_optimizer(optimizer_config(cfg), model)
-    mcore_fixes.allocate_torch_adam_state(optimizer)
-    mcore_fixes.sgd_state_for_loading(optimizer)
-    mcore_fixes.keep_step_on_reshardable_load()
+    patches.apply("optimizer", optimizer)  # megatron-core's plain-torch optimizer path (runtime/patches.py)
     return optimizer
 
 

@@ -1,0 +1,389 @@
+"""Every change this project makes to megatron-core or torch, in one table, applied only when asked.
+
+Each row says what it replaces (``target``), the megatron-core versions it was found in, why, and the
+test that proves it; ``defect`` probes the *unpatched* library for the bug, so ``tests/test_patches.py``
+fails both when an upgrade makes a patch unneeded (the defect is gone: drop the row) and when a patch
+stops working (the defect is still there after ``apply``). Nothing is patched on import: a scope is
+applied where it begins, explicitly:
+
+* ``process``: the entry points (``megatron-recipes``, ``python -m megatron_recipes.train``), before
+  megatron-core is imported;
+* ``cpu_lane``: ``runtime/cpu_lane.activate`` (no CUDA);
+* ``local_mla``: building an MLA model on the local (non-TE) spec (``models/local_mla.py``);
+* ``optimizer``: ``training/optim.build_optimizer``, with the optimizer (some rows fix that object);
+* ``save``: around each synchronous checkpoint save (``checkpoint_io.save``), undone afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import queue
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+SCOPES = ("process", "cpu_lane", "local_mla", "optimizer", "save")
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    scope: str
+    target: str  # "module:attribute" replaced, or the object a fix is applied to
+    versions: Tuple[str, Optional[str]]  # megatron-core [first seen, fixed in); None: not fixed yet
+    reason: str
+    test: str  # "tests/file.py::test_name" proving it needed and working
+    apply: Callable[..., Any]
+    defect: Callable[[], bool]  # True while the unpatched library still shows the bug here
+    on_object: bool = False  # fixes the object passed to ``apply`` (its test proves it works), not a module
+
+
+# --- process: torch.compile deferred ------------------------------------------------------------
+
+
+def _defer_torch_compile() -> None:
+    """megatron-core decorates its fusion kernels with ``torch.compile`` at import time, which imports
+    TorchDynamo/Inductor (~3 s per process) even when no fused kernel runs (the CPU lane). Compilation is
+    lazy anyway; this only moves the import of its machinery to the first call of a compiled function."""
+    original = torch.compile
+    if getattr(original, "_megatron_recipes_deferred", False):
+        return
+
+    def deferred_compile(model=None, **kwargs):
+        if model is None:  # used as @torch.compile(...) with options
+            return lambda fn: deferred_compile(fn, **kwargs)
+        if not inspect.isfunction(model):
+            return original(model, **kwargs)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kw):
+            nonlocal compiled
+            if compiled is None:
+                compiled = original(model, **kwargs)
+            return compiled(*args, **kw)
+
+        return call
+
+    deferred_compile._megatron_recipes_deferred = True
+    torch.compile = deferred_compile
+
+
+def _compile_imports_dynamo() -> bool:
+    import sys
+
+    import megatron.core.models.gpt  # noqa: F401  (its fusions call torch.compile at import)
+
+    return "torch._dynamo" in sys.modules
+
+
+# --- cpu_lane: megatron-core's CUDA-only corners ------------------------------------------------
+
+
+def _rng_on_cpu() -> None:
+    import logging
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # Inside a tracker fork the CPU generator *is* the forked state, so this warning is expected here.
+    logging.getLogger(mcore_random.__name__).addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+    )
+
+
+def _rng_set_misses_the_cpu_generator() -> bool:
+    """The CUDA RNG setter never reaches the CPU generator the lane uses (it raises or queues a CUDA call)."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    saved = torch.get_rng_state()
+    torch.manual_seed(1)
+    want = torch.get_rng_state()
+    torch.manual_seed(2)
+    try:
+        mcore_random._set_cuda_rng_state(want)
+        return not torch.equal(torch.get_rng_state(), want)
+    except Exception:
+        return True
+    finally:
+        torch.set_rng_state(saved)
+
+
+def _define_te_general_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _te_general_gemm_undefined() -> bool:
+    from megatron.core.transformer.moe import moe_utils
+
+    return not hasattr(moe_utils, "te_general_gemm")
+
+
+def _fsdp_telinear_class() -> None:
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    if not isinstance(mcore_fsdp_adapter.TELinear, type):
+        mcore_fsdp_adapter.TELinear = type("NoTELinear", (), {})  # no module is one: the non-TE branch
+
+
+def _fsdp_telinear_not_a_class() -> bool:
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    return not isinstance(mcore_fsdp_adapter.TELinear, type)
+
+
+# --- local_mla: MLA on the local spec -----------------------------------------------------------
+
+
+def _mla_have_te_false() -> None:
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(getattr(multi_latent_attention, "TELinear", None), type):
+        multi_latent_attention.HAVE_TE = False
+
+
+def _mla_claims_te() -> bool:
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    return bool(mla.HAVE_TE) and not isinstance(getattr(mla, "TELinear", None), type)
+
+
+def _yarn_on_cpu() -> None:
+    from megatron.core.transformer import multi_latent_attention
+
+    original = multi_latent_attention.YarnRotaryEmbedding
+    if torch.cuda.is_available() or getattr(original, "on_cpu", False):
+        return
+
+    class CpuYarnRotaryEmbedding(original):
+        on_cpu = True
+
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("use_cpu_initialization", True)
+            super().__init__(*args, **kwargs)
+
+    multi_latent_attention.YarnRotaryEmbedding = CpuYarnRotaryEmbedding
+
+
+def _yarn_built_for_cuda() -> bool:
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    source = inspect.getsource(mla.MultiLatentAttention.__init__)
+    call = source[source.index("YarnRotaryEmbedding(") :]
+    return "use_cpu_initialization" not in call[: call.index(")")] and not getattr(mla.YarnRotaryEmbedding, "on_cpu", False)
+
+
+# --- optimizer: megatron-core's plain-torch optimizer path (no Apex, no TE) ---------------------
+
+
+def _allocate_torch_adam_state(optimizer) -> None:
+    """Give a fresh torch Adam its state now (zeros, step 0): what its first step creates, so numerics
+    do not change, and ``DistributedOptimizer.state_dict()`` (which asserts a ``step``) can load."""
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(part, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _state_dict_asserts_step() -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    source = inspect.getsource(DistributedOptimizer.state_dict)
+    return "step" in source and "assert" in source
+
+
+def _keep_step_on_reshardable_load(optimizer=None) -> None:
+    """``load_parameter_state_from_fully_reshardable`` passes tensors without ``step`` and the setter copies
+    every key of the live state: ``KeyError: 'step'``. Keep the ``step`` ``load_state_dict`` restored."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(original, "_megatron_recipes_keeps_step", False):
+        return
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors and isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step.clone()}
+        return original(self, model_param, tensors)
+
+    set_states._megatron_recipes_keeps_step = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def _setter_copies_every_key() -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    setter = DistributedOptimizer._set_main_param_and_optimizer_states
+    return not getattr(setter, "_megatron_recipes_keeps_step", False) and '"step"' not in inspect.getsource(setter)
+
+
+def _init_sgd_state(opt, config=None) -> None:
+    for group in opt.param_groups:
+        if not group.get("momentum"):
+            continue
+        for param in group["params"]:
+            state = opt.state[param]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _sgd_state_for_loading(optimizer) -> None:
+    """Zero momentum buffers the checkpoint then overwrites (with dampening 0, torch's first-step
+    ``clone(grad)`` equals ``momentum * 0 + grad``; with momentum 0 torch keeps no state at all)."""
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if isinstance(getattr(part, "optimizer", None), torch.optim.SGD) and getattr(part, "init_state_fn", 0) is None:
+            part.init_state_fn = _init_sgd_state
+
+
+def _sgd_has_no_init_state_fn() -> bool:
+    from megatron.core import optimizer as mcore_optimizer
+
+    source = inspect.getsource(mcore_optimizer)
+    return "init_state_fn = None" in source
+
+
+# --- save: the checkpoint writer's results queue -------------------------------------------------
+
+
+@contextlib.contextmanager
+def _in_process_write_results() -> Iterator[None]:
+    """For one synchronous save, an in-process results queue instead of megatron-core's spawn Manager."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "this megatron-core's checkpoint writer has no _results_queue slot; its own multiprocessing queue "
+            "is used, so the entry script needs an `if __name__ == \"__main__\":` guard"
+        )
+        yield
+        return
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous
+
+
+def _writer_starts_a_spawn_manager() -> bool:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    source = inspect.getsource(filesystem_async._get_write_results_queue)
+    return "spawn" in source and "Manager()" in source and filesystem_async._results_queue is None
+
+
+_OPT = "tests/test_checkpoint_resharding.py"
+PATCHES: List[Patch] = [
+    Patch("defer-torch-compile", "process", "torch:compile", ("0.16", None),
+          "megatron-core's fusions call torch.compile at import, importing TorchDynamo/Inductor (~3 s) in "
+          "every process, also where no fused kernel runs", "tests/test_cpu_lane.py::test_announces_itself_once_and_compile_stays_lazy",
+          _defer_torch_compile, _compile_imports_dynamo),
+    Patch("cpu-rng-state", "cpu_lane", "megatron.core.tensor_parallel.random:_get_cuda_rng_state,_set_cuda_rng_state",
+          ("0.16", None), "the RNG tracker reads/writes torch.cuda.default_generators; on the lane the CUDA RNG "
+          "is the CPU generator", "tests/test_cpu_lane.py", _rng_on_cpu, _rng_set_misses_the_cpu_generator),
+    Patch("moe-te-general-gemm", "cpu_lane", "megatron.core.transformer.moe.moe_utils:te_general_gemm", ("0.16", None),
+          "the router's GEMM helper tests a name left undefined when Transformer Engine is absent",
+          "tests/test_parallel_equivalence.py", _define_te_general_gemm, _te_general_gemm_undefined),
+    Patch("fsdp-telinear", "cpu_lane", "megatron.core.distributed.fsdp.mcore_fsdp_adapter:TELinear", ("0.16", None),
+          "Megatron-FSDP's adapter calls isinstance(module, TELinear); without TE that is a MagicMock, not a class",
+          "tests/test_sharding_equivalence.py", _fsdp_telinear_class, _fsdp_telinear_not_a_class),
+    Patch("mla-have-te", "local_mla", "megatron.core.transformer.multi_latent_attention:HAVE_TE", ("0.16", None),
+          "the module reports HAVE_TE with MagicMock placeholders for TE's classes, then isinstance()s them",
+          "tests/test_train_local_spec.py", _mla_have_te_false, _mla_claims_te),
+    Patch("mla-yarn-on-cpu", "local_mla", "megatron.core.transformer.multi_latent_attention:YarnRotaryEmbedding",
+          ("0.16", None), "MLA builds its YaRN embedding without use_cpu_initialization: torch.device(0) without CUDA",
+          "tests/test_train_local_spec.py", _yarn_on_cpu, _yarn_built_for_cuda),
+    Patch("adam-state-up-front", "optimizer", "torch.optim.Adam state (the optimizer built)", ("0.16", None),
+          "DistributedOptimizer.state_dict() asserts each parameter has a step; a fresh torch Adam has none, "
+          "so loading a checkpoint into it fails", _OPT, _allocate_torch_adam_state, _state_dict_asserts_step, True),
+    Patch("keep-step-on-reshardable-load", "optimizer",
+          "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
+          ("0.16", None), "fully_reshardable loads hand it tensors without step: KeyError 'step'", _OPT,
+          _keep_step_on_reshardable_load, _setter_copies_every_key),
+    Patch("sgd-init-state-fn", "optimizer", "init_state_fn of megatron-core's SGD (the optimizer built)", ("0.16", None),
+          "get_megatron_optimizer leaves SGD's init_state_fn None, which loading calls: an SGD run cannot resume",
+          "tests/test_checkpoint_sgd.py", _sgd_state_for_loading, _sgd_has_no_init_state_fn, True),
+    Patch("in-process-write-results", "save", "megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",
+          ("0.16", None), "the writer's results queue is a spawn Manager, whose child re-imports the entry script "
+          "(an unguarded one trains again and hangs the save); a synchronous save needs no Manager",
+          "tests/test_checkpoint_kill.py", _in_process_write_results, _writer_starts_a_spawn_manager),
+]
+
+_APPLIED: set = set()
+
+
+def _version_tuple(text: str) -> Tuple[int, ...]:
+    return tuple(int(p) for p in text.split(".")[:3] if p.isdigit())
+
+
+def megatron_core_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        return "0"
+
+
+def applies_here(patch: Patch) -> bool:
+    """The installed megatron-core is in the row's range, and the row's scope can occur on this machine."""
+    low, high = patch.versions
+    now = _version_tuple(megatron_core_version())
+    if now < _version_tuple(low) or (high is not None and now >= _version_tuple(high)):
+        return False
+    return patch.scope not in ("cpu_lane", "local_mla") or not torch.cuda.is_available()
+
+
+def rows(scope: str) -> List[Patch]:
+    if scope not in SCOPES:
+        raise ValueError(f"unknown patch scope {scope!r}; one of {SCOPES}")
+    return [p for p in PATCHES if p.scope == scope and applies_here(p)]
+
+
+def apply(scope: str, *objects: Any) -> List[str]:
+    """Apply the rows of ``scope`` (module patches once per process; object fixes to ``objects``); their names."""
+    names = []
+    for patch in rows(scope):
+        if patch.on_object:
+            if not objects:
+                continue  # nothing to fix without the object
+            patch.apply(*objects)
+        elif patch.name not in _APPLIED:
+            patch.apply()
+            _APPLIED.add(patch.name)
+        names.append(patch.name)
+    return names
+
+
+@contextlib.contextmanager
+def applied(scope: str) -> Iterator[None]:
+    """Context-manager rows of ``scope`` (``save``), in force for the ``with`` block only."""
+    with contextlib.ExitStack() as stack:
+        for patch in rows(scope):
+            stack.enter_context(patch.apply())
+        yield
+
+
+def defects() -> Dict[str, bool]:
+    """Each row that applies here: does the library (as patched so far in this process) show its bug?"""
+    return {p.name: bool(p.defect()) for p in PATCHES if applies_here(p)}

@@ -1,0 +1,65 @@
+"""The patch table (runtime/patches.py): every row still needed by the installed megatron-core/torch, every
+row fixing what it claims once applied, each row naming an existing test, and nothing patched on import.
+
+Each check runs in a fresh interpreter: patches are process-wide, and "needed" must look at the
+unpatched library.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_recipes.runtime import patches
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-lane rows apply only without CUDA")
+
+
+def _run(code: str) -> dict:
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_every_row_names_a_test_that_exists_and_a_known_scope():
+    assert len({p.name for p in patches.PATCHES}) == len(patches.PATCHES)
+    for p in patches.PATCHES:
+        assert p.scope in patches.SCOPES and p.target and p.reason and p.versions[0], p.name
+        path, _, name = p.test.partition("::")
+        assert (ROOT / path).is_file(), p.test
+        assert not name or f"def {name}(" in (ROOT / path).read_text(), p.test
+
+
+def test_every_patch_is_still_needed():
+    """The unpatched library still shows each defect; when an upgrade fixes one, drop its row."""
+    found = _run("import json; from megatron_recipes.runtime import patches; print(json.dumps(patches.defects()))")
+    assert found and all(found.values()), {k: v for k, v in found.items() if not v}
+    assert set(found) == {p.name for p in patches.PATCHES}  # every row applies on this CPU machine
+
+
+def test_every_module_patch_fixes_its_defect():
+    code = (
+        "import json; from megatron_recipes.runtime import patches\n"
+        "for scope in ('process', 'cpu_lane', 'local_mla', 'optimizer'): patches.apply(scope)\n"
+        "with patches.applied('save'): found = patches.defects()\n"
+        "print(json.dumps(found))"
+    )
+    found = _run(code)
+    module_rows = {p.name for p in patches.PATCHES if not p.on_object}
+    assert module_rows and not any(found[name] for name in module_rows), {k: v for k, v in found.items() if v}
+
+
+def test_importing_the_package_patches_nothing():
+    code = (
+        "import json, torch; original = torch.compile\n"
+        "import megatron_recipes, megatron_recipes.cli, megatron_recipes.train, megatron_recipes.runtime.patches\n"
+        "import megatron.core.transformer.moe.moe_utils as mu\n"
+        "print(json.dumps({'compile': torch.compile is original, 'gemm': not hasattr(mu, 'te_general_gemm')}))"
+    )
+    assert _run(code) == {"compile": True, "gemm": True}
