@@ -16,7 +16,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import BinaryIO, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -301,7 +301,3 @@ class ShardedSafetensorsWriter:
         for f in self._files.values():
             f.close()
         self._files.clear()
-
-
-def total_bytes(infos: Iterable[TensorInfo]) -> int:
-    return sum(i.nbytes for i in infos)

@@ -18,7 +18,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_recipes.config import derived
 from megatron_recipes.config.schema import ParallelConfig, RunConfig
 from megatron_recipes.convert.family import LAYER
 
@@ -141,7 +140,3 @@ def checkpoint_layout(cfg: RunConfig, state: Optional[Dict[str, object]] = None)
         return Layout(items=list(grouped.values()), objects=objects, common=common)
     finally:
         shutdown()
-
-
-def padded_vocab(cfg: RunConfig) -> int:
-    return derived.padded_vocab_size(cfg.model, cfg.parallel.tp)

@@ -115,14 +115,6 @@ def content_fingerprint(prefix: str) -> dict:
     return _FINGERPRINTS[stamp]
 
 
-def open_indexed(prefix: str):
-    """megatron-core's ``IndexedDataset`` for a prefix, after our checks."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    check_indexed_prefix(prefix)
-    return IndexedDataset(prefix, multimodal=False, mmap=True)
-
-
 def token_dtype(vocab_size: int, requested: str = "auto") -> Type[np.number]:
     """The ``.bin`` token dtype (see ``idx_writer.token_dtype``, which needs no megatron-core import)."""
     from megatron_recipes.data.idx_writer import token_dtype as _token_dtype

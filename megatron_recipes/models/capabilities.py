@@ -2,7 +2,7 @@
 
 The static recipe rules (config/rules) judge a recipe against the cluster it declares; these checks
 judge it against the machine it is actually running on. A setting that cannot be honoured here is an
-error, never a silent downgrade (users asked for that: field-notes.md, pain 2).
+error, never a silent downgrade (a run that trains something other than its recipe is worse than none).
 """
 
 from __future__ import annotations

@@ -26,11 +26,6 @@ def chunk_microbatches_in_flight(cfg: RunConfig, pp_rank: int) -> int:
     return min(m * vpp, warmup + 1)
 
 
-def stage_microbatches_in_flight(cfg: RunConfig, pp_rank: int) -> float:
-    """The same in whole-stage microbatches (a chunk holds 1/vpp of the stage)."""
-    return chunk_microbatches_in_flight(cfg, pp_rank) / derived.virtual_pipeline_size(cfg)
-
-
 def bubble_slots(cfg: RunConfig) -> float:
     return (max(1, cfg.parallel.pp) - 1) / derived.virtual_pipeline_size(cfg)
 

@@ -31,10 +31,6 @@ _CUDA_DEVICE = re.compile(r"^cuda(:\d+)?$")
 _CPU = torch.device("cpu")
 
 
-def is_active() -> bool:
-    return _ACTIVE
-
-
 def needed() -> bool:
     """The lane is for machines without CUDA only."""
     return not torch.cuda.is_available()

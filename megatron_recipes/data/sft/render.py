@@ -26,10 +26,6 @@ class TokenizedSample:
     ids: np.ndarray  # int32 [L]
     mask: np.ndarray  # bool [L]: True where the token is part of an answer
 
-    @property
-    def num_answer_tokens(self) -> int:
-        return int(self.mask.sum())
-
 
 class ChatRenderer:
     """Renders conversations with one chat template and tokenizes them with an answer-only mask."""
