@@ -21,6 +21,9 @@ SUBCOMMANDS = {
     "report": ("megatron_recipes.report.cli:main", "write a run directory's report.html (also while it runs)"),
 }
 
+# subcommands that import megatron-core: the entry point applies runtime/patches.py's "process" scope first
+USE_MEGATRON_CORE = ("train", "plan", "check", "convert", "report")
+
 USAGE = "usage: megatron-recipes <subcommand> <recipe> [key=value ...] [--flags]\n\nsubcommands:\n" + "\n".join(
     f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()
 )
@@ -36,9 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown subcommand '{name}'\n  fix: use one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         return 2
     module_name, func_name = SUBCOMMANDS[name][0].split(":")
-    from megatron_recipes.runtime import patches
+    if name in USE_MEGATRON_CORE:  # others (data preprocess) must not even import torch
+        from megatron_recipes.runtime import patches
 
-    patches.apply("process")  # before any subcommand imports megatron-core
+        patches.apply("process")  # before the subcommand imports megatron-core
     try:
         func = getattr(importlib.import_module(module_name), func_name)
         return int(func(rest) or 0)

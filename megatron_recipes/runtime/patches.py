@@ -39,6 +39,7 @@ class Patch:
     apply: Callable[..., Any]
     defect: Callable[[], bool]  # True while the unpatched library still shows the bug here
     on_object: bool = False  # fixes the object passed to ``apply`` (its test proves it works), not a module
+    without_cuda: bool = False  # the defect exists only on a machine without CUDA
 
 
 # --- process: torch.compile deferred ------------------------------------------------------------
@@ -300,19 +301,20 @@ PATCHES: List[Patch] = [
           _defer_torch_compile, _compile_imports_dynamo),
     Patch("cpu-rng-state", "cpu_lane", "megatron.core.tensor_parallel.random:_get_cuda_rng_state,_set_cuda_rng_state",
           ("0.16", None), "the RNG tracker reads/writes torch.cuda.default_generators; on the lane the CUDA RNG "
-          "is the CPU generator", "tests/test_cpu_lane.py", _rng_on_cpu, _rng_set_misses_the_cpu_generator),
+          "is the CPU generator", "tests/test_cpu_lane.py", _rng_on_cpu, _rng_set_misses_the_cpu_generator,
+          without_cuda=True),
     Patch("moe-te-general-gemm", "cpu_lane", "megatron.core.transformer.moe.moe_utils:te_general_gemm", ("0.16", None),
           "the router's GEMM helper tests a name left undefined when Transformer Engine is absent",
-          "tests/test_parallel_equivalence.py", _define_te_general_gemm, _te_general_gemm_undefined),
+          "tests/test_parallel_equivalence.py", _define_te_general_gemm, _te_general_gemm_undefined, without_cuda=True),
     Patch("fsdp-telinear", "cpu_lane", "megatron.core.distributed.fsdp.mcore_fsdp_adapter:TELinear", ("0.16", None),
           "Megatron-FSDP's adapter calls isinstance(module, TELinear); without TE that is a MagicMock, not a class",
-          "tests/test_sharding_equivalence.py", _fsdp_telinear_class, _fsdp_telinear_not_a_class),
+          "tests/test_sharding_equivalence.py", _fsdp_telinear_class, _fsdp_telinear_not_a_class, without_cuda=True),
     Patch("mla-have-te", "local_mla", "megatron.core.transformer.multi_latent_attention:HAVE_TE", ("0.16", None),
           "the module reports HAVE_TE with MagicMock placeholders for TE's classes, then isinstance()s them",
           "tests/test_train_local_spec.py", _mla_have_te_false, _mla_claims_te),
     Patch("mla-yarn-on-cpu", "local_mla", "megatron.core.transformer.multi_latent_attention:YarnRotaryEmbedding",
           ("0.16", None), "MLA builds its YaRN embedding without use_cpu_initialization: torch.device(0) without CUDA",
-          "tests/test_train_local_spec.py", _yarn_on_cpu, _yarn_built_for_cuda),
+          "tests/test_train_local_spec.py", _yarn_on_cpu, _yarn_built_for_cuda, without_cuda=True),
     Patch("adam-state-up-front", "optimizer", "torch.optim.Adam state (the optimizer built)", ("0.16", None),
           "DistributedOptimizer.state_dict() asserts each parameter has a step; a fresh torch Adam has none, "
           "so loading a checkpoint into it fails", _OPT, _allocate_torch_adam_state, _state_dict_asserts_step, True),
@@ -346,12 +348,12 @@ def megatron_core_version() -> str:
 
 
 def applies_here(patch: Patch) -> bool:
-    """The installed megatron-core is in the row's range, and the row's scope can occur on this machine."""
+    """The installed megatron-core is in the row's range, and the row's defect can occur on this machine."""
     low, high = patch.versions
     now = _version_tuple(megatron_core_version())
     if now < _version_tuple(low) or (high is not None and now >= _version_tuple(high)):
         return False
-    return patch.scope not in ("cpu_lane", "local_mla") or not torch.cuda.is_available()
+    return not patch.without_cuda or not torch.cuda.is_available()
 
 
 def rows(scope: str) -> List[Patch]:
