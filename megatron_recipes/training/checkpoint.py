@@ -24,6 +24,7 @@ import torch
 from megatron_recipes import files
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.training import checkpoint_fsdp as fsdp_ckpt
 from megatron_recipes.training import checkpoint_identity as identity
 from megatron_recipes.training import checkpoint_io as io
 from megatron_recipes.training import checkpoint_store as store
@@ -192,18 +193,24 @@ def save_checkpoint(
     # Every rank waits for rank 0's outcome (a broadcast), so no rank writes before the folder exists.
     _on_rank0("preparing the checkpoint folder", lambda: store.prepare_staging(root, step))
 
-    metadata = io.sharded_metadata(fmt)
-    sharded = io.model_state(model_chunks, metadata)
-    n_chunks = len(sharded)
-    if optimizer is not None:
-        sharded["optimizer"] = io.optimizer_state(optimizer, dict(sharded), metadata, is_loading=False)
-    if scheduler is not None:
-        sharded["scheduler"] = scheduler.state_dict()
-    sharded[io.RNG_KEY] = io.rng_object(io.capture_rng())
-    sharded["state"] = dict(state)
-    content = {k: v for k, v in metadata.items() if isinstance(v, (str, int, float, bool))}
+    fsdp = fsdp_ckpt.is_fsdp(model_chunks)  # [FSDP hook] Megatron-FSDP state: checkpoint_fsdp, fsdp_dtensor
+    if fsdp:
+        fmt = fsdp_ckpt.BACKEND if optimizer is not None else None
+    else:
+        metadata = io.sharded_metadata(fmt)
+        sharded = io.model_state(model_chunks, metadata)
+        if optimizer is not None:
+            sharded["optimizer"] = io.optimizer_state(optimizer, dict(sharded), metadata, is_loading=False)
+        if scheduler is not None:
+            sharded["scheduler"] = scheduler.state_dict()
+        sharded[io.RNG_KEY] = io.rng_object(io.capture_rng())
+        sharded["state"] = dict(state)
+        content = {k: v for k, v in metadata.items() if isinstance(v, (str, int, float, bool))}
     try:
-        io.save(sharded, store.staging_dir(root, step), content_metadata=content)
+        if fsdp:  # [FSDP hook]
+            fsdp_ckpt.save(model_chunks, optimizer, scheduler, state, store.staging_dir(root, step))
+        else:
+            io.save(sharded, store.staging_dir(root, step), content_metadata=content)
     except BaseException as exc:
         if not io.disk_full(exc):
             raise
@@ -216,7 +223,9 @@ def save_checkpoint(
             "checkpoint; the partial folder has been removed",
         ) from None
 
-    meta = _meta(step, cfg, n_chunks, optimizer, scheduler, fmt)
+    meta = _meta(step, cfg, len(model_chunks), optimizer, scheduler, fmt)
+    if fsdp:  # [FSDP hook]
+        meta["backend"] = fsdp_ckpt.BACKEND
     _on_rank0("finishing the checkpoint", lambda: _finish(root, step, meta, cfg, keep_last))
     return store.iter_dir(root, step)
 
@@ -310,6 +319,8 @@ def load_checkpoint(
     if scheduler is not None and not contents.get("scheduler"):
         raise RecipeError(f"checkpoint '{ckpt}' has no LR scheduler state", fix="load it with checkpoint.pretrained")
     saved_layout, now = meta.get("layout", {}), _runtime_layout(cfg)
+    if fsdp_ckpt.is_fsdp(model_chunks) or fsdp_ckpt.is_fsdp_checkpoint(meta):  # [FSDP hook]
+        return fsdp_ckpt.load(ckpt, meta, model_chunks, optimizer, scheduler, now, _trust(cfg))
     fmt = contents.get("optimizer_format") if optimizer is not None else None
     if fmt == "dp_reshardable" and identity.model_parallel_changed(saved_layout, now):
         raise RecipeError(
@@ -358,7 +369,11 @@ def load_weights(path: Path, model_chunks: List[torch.nn.Module], cfg: RunConfig
     """
     _require_dist()
     ckpt = _resolve_everywhere(path)
-    identity.check_same_model(store.read_meta(ckpt), cfg, ckpt)
+    meta = store.read_meta(ckpt)
+    identity.check_same_model(meta, cfg, ckpt)
+    if fsdp_ckpt.is_fsdp(model_chunks) or fsdp_ckpt.is_fsdp_checkpoint(meta):  # [FSDP hook]
+        fsdp_ckpt.load_weights(ckpt, meta, model_chunks, _runtime_layout(cfg), _trust(cfg))
+        return
     sharded = io.model_state(model_chunks, io.sharded_metadata(None))
     with restricted_loading(_trust(cfg)):
         _check_before_tensors(sharded, ckpt)

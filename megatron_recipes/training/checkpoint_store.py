@@ -34,6 +34,7 @@ STAGING_SUFFIX = ".incomplete"
 DELETING_SUFFIX = ".deleting"
 # Files megatron-core's torch_dist format writes once the sharded save has finished on every rank.
 MCORE_FILES = ("metadata.json", ".metadata", "common.pt")
+FSDP_DTENSOR_FILES = (".metadata",)  # Megatron-FSDP checkpoints: torch DCP's index (training/checkpoint_fsdp.py)
 
 _ITER = re.compile(r"^iter_(\d{7,})$")
 
@@ -95,7 +96,8 @@ def problems(ckpt_dir: Path) -> List[str]:
     name_step = step_of(ckpt_dir)
     if name_step is not None and name_step != meta.get("step"):
         found.append(f"its name says step {name_step} but {META} says step {meta.get('step')}")
-    missing = [name for name in MCORE_FILES if not (ckpt_dir / name).is_file()]
+    required = FSDP_DTENSOR_FILES if meta.get("backend") == "fsdp_dtensor" else MCORE_FILES  # [FSDP hook]
+    missing = [name for name in required if not (ckpt_dir / name).is_file()]
     if missing:
         found.append(f"megatron-core files missing: {', '.join(missing)}")
     return found

@@ -1,0 +1,169 @@
+"""Checkpoints under Megatron-FSDP (fsdp_dtensor format) on gloo ranks: resume, and resharding both ways.
+
+Two process groups of 2 ranks. The first (A) trains under Megatron-FSDP zero3 and saves; the second starts
+fresh (another initialisation, so every load must overwrite it) and runs phases one after another:
+  A   FSDP zero3 DP=2   trains steps 1-2, saves; records logits, RNG draws, steps 3-4 losses (uninterrupted)
+  B   FSDP zero3 DP=2   resumes it (checkpoint.load=auto): RNG draws, logits, steps 3-4 losses bit-identical
+  C   TP=2 (no FSDP)    loads its weights: logits and step 3's loss (computed before any update) match A's;
+                        trains on and saves a torch_dist checkpoint of its own
+  D   PP=2 (no FSDP)    loads its weights (the second stage's layers 0-1 are the checkpoint's 2-3): logits match
+  E   FSDP zero3 DP=2   loads C's torch_dist checkpoint into the bare model before wrapping: logits match C's at
+                        its save; resuming C's optimizer state under FSDP is refused with a RecipeError
+Tolerances: the same layout bit-exact (the same ranks do the same float operations in the same order); another
+layout 1e-5 relative (TP/PP change float32 summation order, as in test_checkpoint_resharding.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint_support as cs
+from multiproc import run_ranks
+
+pytestmark = pytest.mark.slow
+FSDP = ["parallel.fsdp=true", "parallel.sharding=zero3"]
+STATE = {"step": 2, "consumed_samples": 2 * cs.GBS}
+
+
+def _save(trainer, root: Path, state):
+    from megatron_recipes.training.checkpoint import save_checkpoint
+
+    return save_checkpoint(root, state["step"], trainer.model, trainer.optimizer, trainer.scheduler, state, trainer.cfg,
+                           keep_last=2)
+
+
+def _optimizer_state(optimizer):
+    """This rank's Adam state (moments, step) of the parameters it holds a non-empty shard of (a rank never
+    steps an empty shard, so its ``step`` there is meaningless; see checkpoint_fsdp._common_step)."""
+    inner, out = optimizer.optimizer, {}
+    for group in inner.param_groups:
+        for i, param in enumerate(group["params"]):
+            if (param.to_local() if hasattr(param, "to_local") else param).numel() == 0:
+                continue
+            for key, value in inner.state.get(param, {}).items():
+                local = value.to_local() if hasattr(value, "to_local") else value
+                out[f"{id(group)}.{i}.{key}"] = local.detach().clone() if torch.is_tensor(local) else local
+    return list(out.values())
+
+
+def _rank_a(run_dir: str):
+    t = cs.Trainer(cs.tiny_cfg(run_dir, world=2, extra=FSDP))
+    losses_12 = t.train(1, 2)
+    path = _save(t, Path(run_dir) / "checkpoints", STATE)
+    out = {"path": str(path), "draws": cs.rng_draws(), "logits": t.logits(), "losses_12": losses_12,
+           "optim": _optimizer_state(t.optimizer), "lr": t.optimizer.param_groups[0]["lr"]}
+    out["losses_34"] = t.train(3, 4)
+    return out
+
+
+def _resume_fsdp(run_dir: str):
+    from megatron_recipes.training.checkpoint import load_checkpoint, resolve_load
+
+    t = cs.Trainer(cs.tiny_cfg(run_dir, world=2, extra=FSDP), seed=77)
+    path = resolve_load(t.cfg)
+    state = load_checkpoint(path, t.model, t.optimizer, t.scheduler, cfg=t.cfg)
+    out = {"path": str(path), "state": state, "lr": t.optimizer.param_groups[0]["lr"], "draws": cs.rng_draws(),
+           "optim": _optimizer_state(t.optimizer)}
+    out["logits"] = t.logits()
+    out["losses_34"] = t.train(3, 4)
+    return out
+
+
+def _weights_into(run_dir: str, ckpt: str, **layout):
+    from megatron_recipes.training.checkpoint import load_weights
+
+    t = cs.Trainer(cs.tiny_cfg(run_dir, world=2, **layout), seed=77)
+    load_weights(Path(ckpt), t.model, t.cfg)
+    t.optimizer.reload_model_params()  # the distributed optimizer's fp32 shards, as checkpointing.resume does
+    return t
+
+
+def _fsdp_from_torch_dist(run_dir: str, ckpt: str):
+    """As the trainer does with checkpoint.pretrained under FSDP: load into the bare chunks, then wrap."""
+    from megatron_recipes.config.errors import RecipeError
+    from megatron_recipes.models.builder import build_model_chunks
+    from megatron_recipes.runtime import distributed
+    from megatron_recipes.training import optim, step
+    from megatron_recipes.training.checkpoint import load_checkpoint, load_weights
+
+    t = cs.Trainer.__new__(cs.Trainer)
+    t.cfg = cs.tiny_cfg(run_dir, world=2, extra=FSDP)
+    t.runtime = distributed.init_model_parallel(t.cfg)
+    distributed.seed_everything(77)
+    chunks = build_model_chunks(t.cfg)
+    load_weights(Path(ckpt), chunks, t.cfg)
+    t.model = optim.wrap_model(t.cfg, chunks)
+    optim.configure_schedule_hooks(t.model)
+    t.optimizer = optim.build_optimizer(t.cfg, t.model)
+    t.scheduler = optim.build_scheduler(t.cfg, t.optimizer)
+    t.forward_step = step.make_forward_step(t.runtime.device, False)
+    logits = t.logits()
+    try:
+        load_checkpoint(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
+        refusal = None
+    except RecipeError as exc:
+        refusal = exc.message
+    return logits, refusal
+
+
+def _rank_b(run_dir: str, ckpt: str):
+    out = {"B": _resume_fsdp(run_dir)}
+    t = _weights_into(run_dir + "/c", ckpt, tp=2)
+    out["C"] = {"logits": t.logits(), "loss_3": t.train(3, 4)[0]}  # fresh warm-up: step 3 has lr 0, 4 moves
+    c_path = _save(t, Path(run_dir) / "c" / "checkpoints", {"step": 4, "consumed_samples": 4 * cs.GBS})
+    out["C"]["logits_saved"] = t.logits()
+    t = _weights_into(run_dir + "/d", ckpt, pp=2)
+    out["D"] = {"logits": t.logits()}
+    logits, refusal = _fsdp_from_torch_dist(run_dir + "/e", str(c_path))
+    out["E"] = {"logits": logits, "refusal": refusal}
+    return out
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.shape == want.shape and bool(torch.allclose(got, want, rtol=1e-5, atol=1e-5))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("fsdp_ckpt")
+    a = run_ranks(_rank_a, 2, str(run_dir), timeout=900)
+    b = run_ranks(_rank_b, 2, str(run_dir), a[0]["path"], timeout=1500)
+    return a, b
+
+
+def test_fsdp_resume_is_bit_identical_to_the_uninterrupted_run(runs):
+    a, b = runs
+    assert a[0]["losses_34"][0] != a[0]["losses_12"][0], "training did not move the loss: a vacuous comparison"
+    for ra, rb in zip(a, b):
+        r = rb["B"]
+        assert Path(r["path"]).name == "iter_0000002" and r["state"]["step"] == 2, r
+        assert r["state"]["consumed_samples"] == STATE["consumed_samples"]
+        assert torch.equal(r["logits"], ra["logits"])
+        for name in ra["draws"]:  # each rank's own RNG streams came back
+            assert ra["draws"][name] == r["draws"][name] if not torch.is_tensor(ra["draws"][name]) else torch.equal(
+                ra["draws"][name], r["draws"][name]), name
+        assert r["lr"] == ra["lr"] and len(r["optim"]) == len(ra["optim"]) > 0
+        assert all(torch.equal(x, y) for x, y in zip(r["optim"], ra["optim"])), [
+            (i, x.flatten()[:3], y.flatten()[:3]) for i, (x, y) in enumerate(zip(r["optim"], ra["optim"])) if not torch.equal(x, y)][:4]
+        assert r["losses_34"] == ra["losses_34"], (r["losses_34"], ra["losses_34"])
+
+
+def test_fsdp_checkpoint_loads_at_tp2_and_pp2(runs):
+    a, b = runs
+    want = a[0]["logits"]
+    for rb in b:
+        assert _close(rb["C"]["logits"], want)
+        assert rb["C"]["loss_3"] == pytest.approx(a[0]["losses_34"][0], rel=1e-5)
+    last_stage = [rb["D"]["logits"] for rb in b if rb["D"]["logits"] is not None]
+    assert len(last_stage) == 1 and _close(last_stage[0], want)
+
+
+def test_torch_dist_checkpoint_loads_under_fsdp_and_its_optimizer_is_refused(runs):
+    a, b = runs
+    for rb in b:
+        assert not _close(rb["C"]["logits_saved"], a[0]["logits"])  # C trained a step: E must see C's weights
+        assert _close(rb["E"]["logits"], rb["C"]["logits_saved"])
+        assert rb["E"]["refusal"] and "checkpoint.pretrained=" in rb["E"]["refusal"], rb["E"]["refusal"]
