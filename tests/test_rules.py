@@ -172,7 +172,7 @@ CASES: Dict[str, Case] = {
     ),
     "fsdp.not_with_peft": (TINY, FS + ("peft.method=lora", PT), ("parallel=none", "peft.method=lora", PT)),
     "fsdp.no_pipeline": (TINY, FS + ("parallel.pp=2",), FS),
-    "fsdp.checkpoint_format": (TINY, ("parallel=none", "parallel.fsdp=true"), FS),
+    "fsdp.checkpoint_format": (TINY, ("parallel.fsdp=true",), ("parallel=none", "parallel.fsdp=true")),  # TP2 / TP1
     "offload.needs_gpu": (TINY, ("optimizer.cpu_offload=true", "precision=bf16", "cluster.host_memory_gb=16"), ()),
     "offload.optimizer_precision": (F70, SFT + ("precision.params_dtype=fp16", "optimizer=sgd"), SFT + ("precision.params_dtype=fp16",)),
     "offload.host_memory_known": (F70, SFT + ("cluster.host_memory_gb=0",), SFT),

@@ -136,15 +136,25 @@ def _fsdp_pp(cfg: RunConfig) -> Optional[str]:
 
 @rule(
     "fsdp.checkpoint_format",
-    ["parallel.fsdp", "checkpoint.save", "checkpoint.load"],
-    "Megatron-FSDP saves only in megatron-core's fsdp_dtensor format, which this trainer's torch_dist checkpoints "
-    "do not read or write: runs under parallel.fsdp=true neither save nor resume",
-    "set checkpoint.save=false checkpoint.load=none (checkpoint.pretrained still works), or parallel.fsdp=false",
+    ["parallel.fsdp", "parallel.tp", "model.num_moe_experts", "optimizer.cpu_offload", "checkpoint.save",
+     "checkpoint.load"],
+    "Megatron-FSDP runs save and resume megatron-core's fsdp_dtensor format (training/checkpoint_fsdp.py) with "
+    "parallel.tp=1, a dense model and no optimizer offload: that is what is proven on the CPU lane "
+    "(tests/test_checkpoint_fsdp.py); with TP > 1 its DTensors hold megatron-core's per-rank TP layout, expert "
+    "parameters are not covered, and HybridDeviceOptimizer's state (GPU only) is not proven in that format",
+    "set parallel.tp=1 (Megatron-FSDP shards what TP would) and optimizer.cpu_offload=false, or "
+    "checkpoint.save=false checkpoint.load=none (checkpoint.pretrained still works), or parallel.fsdp=false",
 )
 def _fsdp_ckpt(cfg: RunConfig) -> Optional[str]:
     c = cfg.checkpoint
-    if cfg.parallel.fsdp and (c.save or c.load != "none"):
-        return f"parallel.fsdp=true with checkpoint.save={c.save}, checkpoint.load={c.load!r}"
+    if not (cfg.parallel.fsdp and (c.save or c.load != "none")):
+        return None
+    if cfg.parallel.tp > 1 or derived.is_moe(cfg.model) or cfg.optimizer.cpu_offload:
+        return (
+            f"parallel.fsdp=true with checkpoint.save={c.save}, checkpoint.load={c.load!r}, parallel.tp="
+            f"{cfg.parallel.tp}, model.num_moe_experts={cfg.model.num_moe_experts}, optimizer.cpu_offload="
+            f"{cfg.optimizer.cpu_offload}"
+        )
     return None
 
 

@@ -126,8 +126,8 @@ def escalations(cfg: RunConfig) -> List[Tuple[str, RunConfig]]:
 
     ZeRO-1 (distributed optimizer), then Megatron-FSDP zero2 and zero3, then zero3 with the optimizer
     moments on the host (GPU clusters whose RAM is known, bf16/fp16 Adam only: the rules refuse the rest).
-    Megatron-FSDP runs neither save nor resume checkpoints (rule fsdp.checkpoint_format), so those modes
-    say so in their overrides.
+    Megatron-FSDP saves and resumes only at TP=1, dense, without offload (rule fsdp.checkpoint_format), so
+    these modes keep checkpoints off in their overrides (conservative; the search keeps the recipe's TP).
     """
     o, p = cfg.optimizer, cfg.parallel
     if o.name != "adam" or cfg.peft.method != "none":

@@ -92,6 +92,26 @@ def _reader(ckpt: Path):
     return FileSystemReader(str(ckpt))
 
 
+def _dcp_load(state: Dict[str, Any], ckpt: Path, *, alone: bool = False) -> None:
+    """torch DCP's in-place load; a damaged or foreign file becomes a RecipeError (as ``checkpoint._read``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    from megatron_recipes.training.checkpoint_trust import find_refusal
+
+    try:
+        dcp.load(state, storage_reader=_reader(ckpt), no_dist=alone)
+    except (Exception, CheckpointException) as exc:
+        refusal = find_refusal(exc)  # a file that would run code: say so, not "damaged"
+        if refusal is not None:
+            raise refusal from None
+        raise RecipeError(
+            f"checkpoint '{ckpt}' could not be read ({io.root_cause(exc)})",
+            fix="the checkpoint is damaged or was copied incompletely; use another one (e.g. the previous "
+            "iteration). The model in memory may be partly loaded: start again rather than train on",
+        ) from exc
+
+
 # --- save ---
 
 
@@ -137,9 +157,9 @@ def _common_step(optimizer_sd: Dict[Any, Any]) -> Dict[Any, Any]:
 
 
 def _refuse_cross_resume(ckpt: Path, saved_fsdp: bool) -> None:
-    saved, now = ("Megatron-FSDP", "a non-FSDP") if saved_fsdp else ("a non-FSDP layout", "Megatron-FSDP")
+    saved, now = ("Megatron-FSDP", "a non-FSDP layout") if saved_fsdp else ("a non-FSDP layout", "Megatron-FSDP")
     raise RecipeError(
-        f"checkpoint '{ckpt}' was saved under {saved}; this run resumes its optimizer state under {now} layout. "
+        f"checkpoint '{ckpt}' was saved under {saved}; this run would resume its optimizer state under {now}. "
         "megatron-core 0.16 stores the two optimizers' state in different formats (fsdp_dtensor: per-parameter "
         "DTensors of Megatron-FSDP's buffers; torch_dist: ShardedTensors of the distributed optimizer) and offers "
         "no conversion between them",
@@ -173,8 +193,6 @@ def load(
 
     Same layout and world size required (``_check_same_ranks``); RNG streams are restored per rank.
     """
-    import torch.distributed.checkpoint as dcp
-
     saved_fsdp = is_fsdp_checkpoint(meta)
     if saved_fsdp != is_fsdp(chunks):
         if optimizer is not None or scheduler is not None:
@@ -191,7 +209,7 @@ def load(
     sd["state"] = bytes_io.BytesIO()
     with restricted_loading(trust):
         _check_keys(ckpt, sd)
-        dcp.load(_uneven(sd), storage_reader=_reader(ckpt))
+        _dcp_load(_uneven(sd), ckpt)
         _install_weights(chunks, sd)
         if optimizer is not None:
             io.load_optimizer(optimizer, sd["optimizer"])
@@ -199,7 +217,7 @@ def load(
             scheduler.load_state_dict(_unblob(sd["scheduler"]))
         if meta.get("contents", {}).get("rng"):
             rng = {"rng": {_rng_key(): io.capture_rng()}}  # a template of the right shapes, overwritten
-            dcp.load(rng, storage_reader=_reader(ckpt), no_dist=True)  # this rank's own streams only
+            _dcp_load(rng, ckpt, alone=True)  # this rank's own streams only
             io.restore_rng(rng["rng"][_rng_key()])
         state = _unblob(sd["state"])
     state.setdefault("step", meta.get("step"))
@@ -207,8 +225,6 @@ def load(
 
 
 def _read_state(ckpt: Path, meta: Dict[str, Any], trust: bool) -> Dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-
     if not is_fsdp_checkpoint(meta):  # a torch_dist checkpoint's loop state is in megatron-core's common.pt
         from megatron.core.dist_checkpointing.serialization import load_common_state_dict
 
@@ -217,7 +233,7 @@ def _read_state(ckpt: Path, meta: Dict[str, Any], trust: bool) -> Dict[str, Any]
     else:
         blob = {"state": bytes_io.BytesIO()}
         with restricted_loading(trust):
-            dcp.load(blob, storage_reader=_reader(ckpt), no_dist=True)
+            _dcp_load(blob, ckpt, alone=True)
             state = _unblob(blob["state"])
     state.setdefault("step", meta.get("step"))
     return state
@@ -259,8 +275,6 @@ def _install_weights(chunks: List[torch.nn.Module], sd: Dict[str, Any]) -> None:
 def load_weights(ckpt: Path, meta: Dict[str, Any], chunks: List[torch.nn.Module], now: Dict[str, Any], trust: bool) -> None:
     """Weights only, across formats where it can be done: fsdp_dtensor into Megatron-FSDP (same model-parallel
     layout) or into any non-FSDP layout; torch_dist into Megatron-FSDP only before wrapping."""
-    import torch.distributed.checkpoint as dcp
-
     if is_fsdp(chunks):
         if not is_fsdp_checkpoint(meta):
             raise RecipeError(
@@ -271,17 +285,16 @@ def load_weights(ckpt: Path, meta: Dict[str, Any], chunks: List[torch.nn.Module]
         sd = _model_state(chunks)
         with restricted_loading(trust):
             _check_keys(ckpt, sd)
-            dcp.load(_uneven(sd), storage_reader=_reader(ckpt))
+            _dcp_load(_uneven(sd), ckpt)
         _install_weights(chunks, sd)
         return
     saved_tp = int(meta.get("layout", {}).get("tp") or 1)
     if saved_tp != 1:
         raise RecipeError(
-            f"checkpoint '{ckpt}' was saved under Megatron-FSDP with TP={saved_tp}; its DTensors concatenate the "
-            "tensor-parallel slices as megatron-core lays them out per rank (gated FC1 interleaves gate and up "
-            "halves per rank), which is not the layout-free tensor other layouts slice from",
-            fix="load it with Megatron-FSDP at the same TP (parallel.fsdp=true), or save the run under "
-            "Megatron-FSDP with parallel.tp=1 to move it to other layouts",
+            f"checkpoint '{ckpt}' was saved under Megatron-FSDP with TP={saved_tp}; how its DTensors lay out the "
+            "tensor-parallel slices (e.g. gated FC1's gate and up halves) is not proven, so it is not moved to "
+            "other layouts (rule fsdp.checkpoint_format keeps FSDP checkpoints at TP=1)",
+            fix="load it with Megatron-FSDP at the layout it was saved with",
         )
     with restricted_loading(trust):
         load_weights_into_plain(ckpt, io.unwrap(chunks))
@@ -370,7 +383,6 @@ def _check_stored(ckpt: Path, wanted: Dict[str, List[Any]], stored) -> None:
 def _read_regions(ckpt: Path, wanted: Dict[str, List[Any]], stored) -> Dict[int, torch.Tensor]:
     """This rank's region of each wanted tensor: whole tensors are read (this rank alone, at most
     ``_READ_BATCH_BYTES`` at a time), cut, and dropped before the next batch."""
-    import torch.distributed.checkpoint as dcp
 
     regions: Dict[int, torch.Tensor] = {}
     names = list(wanted)
@@ -381,7 +393,7 @@ def _read_regions(ckpt: Path, wanted: Dict[str, List[Any]], stored) -> Dict[int,
             name = names.pop(0)
             batch[name] = torch.empty(tuple(stored[name].size), dtype=stored[name].properties.dtype)
             size += batch[name].numel() * batch[name].element_size()
-        dcp.load(batch, storage_reader=_reader(ckpt), no_dist=True)
+        _dcp_load(batch, ckpt, alone=True)
         for name, whole in batch.items():
             for item in wanted[name]:
                 regions[id(item)] = whole[_region(item)].clone()
