@@ -4,7 +4,7 @@ Two process groups of 2 ranks. The first (A) trains under Megatron-FSDP zero3 an
 fresh (another initialisation, so every load must overwrite it) and runs phases one after another:
   A   FSDP zero3 DP=2   trains steps 1-2, saves; records logits, RNG draws, steps 3-4 losses (uninterrupted)
   B   FSDP zero3 DP=2   resumes it (checkpoint.load=auto): RNG draws, logits, steps 3-4 losses bit-identical
-  C   TP=2 (no FSDP)    loads its weights: logits and step 3's loss (computed before any update) match A's;
+  C   TP=2 (no FSDP)    resuming its optimizer state is refused; it loads its weights: logits and step 3's loss (computed before any update) match A's;
                         trains on and saves a torch_dist checkpoint of its own
   D   PP=2 (no FSDP)    loads its weights (the second stage's layers 0-1 are the checkpoint's 2-3): logits match
   E   FSDP zero3 DP=2   loads C's torch_dist checkpoint into the bare model before wrapping: logits match C's at
@@ -73,9 +73,15 @@ def _resume_fsdp(run_dir: str):
 
 
 def _weights_into(run_dir: str, ckpt: str, **layout):
-    from megatron_recipes.training.checkpoint import load_weights
+    from megatron_recipes.config.errors import RecipeError
+    from megatron_recipes.training.checkpoint import load_checkpoint, load_weights
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, world=2, **layout), seed=77)
+    try:  # resuming the FSDP optimizer state in this layout is refused before any tensor is read
+        load_checkpoint(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
+        t.refusal = None
+    except RecipeError as exc:
+        t.refusal = f"{exc.message} | fix: {exc.fix}"
     load_weights(Path(ckpt), t.model, t.cfg)
     t.optimizer.reload_model_params()  # the distributed optimizer's fp32 shards, as checkpointing.resume does
     return t
@@ -112,7 +118,7 @@ def _fsdp_from_torch_dist(run_dir: str, ckpt: str):
 def _rank_b(run_dir: str, ckpt: str):
     out = {"B": _resume_fsdp(run_dir)}
     t = _weights_into(run_dir + "/c", ckpt, tp=2)
-    out["C"] = {"logits": t.logits(), "loss_3": t.train(3, 4)[0]}  # fresh warm-up: step 3 has lr 0, 4 moves
+    out["C"] = {"refusal": t.refusal, "logits": t.logits(), "loss_3": t.train(3, 4)[0]}  # fresh warm-up: step 3 has lr 0, 4 moves
     c_path = _save(t, Path(run_dir) / "c" / "checkpoints", {"step": 4, "consumed_samples": 4 * cs.GBS})
     out["C"]["logits_saved"] = t.logits()
     t = _weights_into(run_dir + "/d", ckpt, pp=2)
@@ -155,6 +161,8 @@ def test_fsdp_checkpoint_loads_at_tp2_and_pp2(runs):
     a, b = runs
     want = a[0]["logits"]
     for rb in b:
+        refusal = rb["C"]["refusal"] or ""
+        assert "saved under Megatron-FSDP" in refusal and "checkpoint.pretrained=" in refusal, refusal
         assert _close(rb["C"]["logits"], want)
         assert rb["C"]["loss_3"] == pytest.approx(a[0]["losses_34"][0], rel=1e-5)
     last_stage = [rb["D"]["logits"] for rb in b if rb["D"]["logits"] is not None]
