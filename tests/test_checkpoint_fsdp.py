@@ -9,6 +9,8 @@ fresh (another initialisation, so every load must overwrite it) and runs phases 
   D   PP=2 (no FSDP)    loads its weights (the second stage's layers 0-1 are the checkpoint's 2-3): logits match
   E   FSDP zero3 DP=2   loads C's torch_dist checkpoint into the bare model before wrapping: logits match C's at
                         its save; resuming C's optimizer state under FSDP is refused with a RecipeError
+  F   FSDP TP=2 DP=1    resuming A's checkpoint (TP=1 DP=2) is refused (only the saved layout resumes)
+A bf16 pair (A, B) checks that resume is exact with fp32 main weights too.
 Tolerances: the same layout bit-exact (the same ranks do the same float operations in the same order); another
 layout 1e-5 relative (TP/PP change float32 summation order, as in test_checkpoint_resharding.py).
 """
@@ -49,8 +51,8 @@ def _optimizer_state(optimizer):
     return list(out.values())
 
 
-def _rank_a(run_dir: str):
-    t = cs.Trainer(cs.tiny_cfg(run_dir, world=2, extra=FSDP))
+def _rank_a(run_dir: str, extra=()):
+    t = cs.Trainer(cs.tiny_cfg(run_dir, world=2, extra=[*FSDP, *extra]))
     losses_12 = t.train(1, 2)
     path = _save(t, Path(run_dir) / "checkpoints", STATE)
     out = {"path": str(path), "draws": cs.rng_draws(), "logits": t.logits(), "losses_12": losses_12,
@@ -59,10 +61,10 @@ def _rank_a(run_dir: str):
     return out
 
 
-def _resume_fsdp(run_dir: str):
+def _resume_fsdp(run_dir: str, extra=()):
     from megatron_recipes.training.checkpoint import load_checkpoint, resolve_load
 
-    t = cs.Trainer(cs.tiny_cfg(run_dir, world=2, extra=FSDP), seed=77)
+    t = cs.Trainer(cs.tiny_cfg(run_dir, world=2, extra=[*FSDP, *extra]), seed=77)
     path = resolve_load(t.cfg)
     state = load_checkpoint(path, t.model, t.optimizer, t.scheduler, cfg=t.cfg)
     out = {"path": str(path), "state": state, "lr": t.optimizer.param_groups[0]["lr"], "draws": cs.rng_draws(),
@@ -125,7 +127,25 @@ def _rank_b(run_dir: str, ckpt: str):
     out["D"] = {"logits": t.logits()}
     logits, refusal = _fsdp_from_torch_dist(run_dir + "/e", str(c_path))
     out["E"] = {"logits": logits, "refusal": refusal}
+    out["F"] = {"refusal": _fsdp_other_layout(run_dir + "/f", ckpt)}
     return out
+
+
+def _fsdp_other_layout(run_dir: str, ckpt: str):
+    """Megatron-FSDP at TP=2 (DP=1) resuming the TP=1/DP=2 FSDP checkpoint: refused before any tensor is read."""
+    from megatron_recipes.config.errors import RecipeError
+    from megatron_recipes.training.checkpoint import load_checkpoint
+
+    t = cs.Trainer(cs.tiny_cfg(run_dir, tp=2, world=2, extra=FSDP), seed=77)
+    try:
+        load_checkpoint(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
+    except RecipeError as exc:
+        return f"{exc.message} | fix: {exc.fix}"
+    return None
+
+
+def _rank_bf16(run_dir: str, ckpt: str):
+    return _resume_fsdp(run_dir, extra=["precision=bf16"])
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -155,6 +175,24 @@ def test_fsdp_resume_is_bit_identical_to_the_uninterrupted_run(runs):
         assert all(torch.equal(x, y) for x, y in zip(r["optim"], ra["optim"])), [
             (i, x.flatten()[:3], y.flatten()[:3]) for i, (x, y) in enumerate(zip(r["optim"], ra["optim"])) if not torch.equal(x, y)][:4]
         assert r["losses_34"] == ra["losses_34"], (r["losses_34"], ra["losses_34"])
+
+
+def test_fsdp_resume_in_another_layout_is_refused(runs):
+    for rb in runs[1]:
+        refusal = rb["F"]["refusal"] or ""
+        assert "resumed here only with the layout and number of ranks it was saved with" in refusal, refusal
+        assert "checkpoint.pretrained=" in refusal, refusal
+
+
+def test_fsdp_bf16_resume_is_bit_identical(tmp_path):
+    """bf16 params with fp32 main weights (the DTensors Megatron-FSDP's state_dict gives are its main-weight
+    shards): the resumed run continues exactly as the uninterrupted one."""
+    a = run_ranks(_rank_a, 2, str(tmp_path), ["precision=bf16"], timeout=900)
+    b = run_ranks(_rank_bf16, 2, str(tmp_path), a[0]["path"], timeout=900)
+    for ra, rb in zip(a, b):
+        assert torch.equal(rb["logits"], ra["logits"])
+        assert all(torch.equal(x, y) for x, y in zip(rb["optim"], ra["optim"])) and len(rb["optim"]) > 0
+        assert rb["losses_34"] == ra["losses_34"], (rb["losses_34"], ra["losses_34"])
 
 
 def test_fsdp_checkpoint_loads_at_tp2_and_pp2(runs):
