@@ -31,8 +31,8 @@ def check(tmp_path: Path, recipe: str, *overrides: str, env=None, timeout: float
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("check-cache")
+def cache(data_cache) -> Path:
+    return data_cache  # one data cache per session (tests/conftest.py)
 
 
 @pytest.mark.xfail(
