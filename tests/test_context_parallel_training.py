@@ -20,7 +20,7 @@ from typing import Dict, List
 import pytest
 
 import train_support as ts
-from test_parallel_equivalence import ADAM_AS_SGD, DEFAULT_ADAM, SGD, STEPS, Experiment, assert_close
+from test_parallel_equivalence import ADAM_AS_SGD, DEFAULT_ADAM, SGD, STEPS, Experiment, assert_close, experiment
 
 pytestmark = pytest.mark.slow
 
@@ -35,18 +35,14 @@ SAVE = ["checkpoint.save=true", "checkpoint.load=auto", f"checkpoint.save_interv
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data-cache")
+def cache(data_cache) -> Path:
+    return data_cache
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cp-equivalence")
-
-
-@pytest.fixture(scope="module")
-def sgd(base, cache) -> Experiment:
-    return Experiment(base, cache, "cp_sgd", SGD)
+def sgd(shared_runs, cache) -> Experiment:
+    """The same experiment (step-0 weights, single-rank reference) as test_parallel_equivalence.py's SGD one."""
+    return experiment(shared_runs, cache, "sgd", SGD)
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +61,8 @@ def test_cp2_with_tp_or_pp_matches_single_rank_sgd(sgd: Experiment, layout: str)
     assert_close(sgd.run(layout, nproc, extra), sgd.reference, 1e-5, 1e-5)
 
 
-def test_cp2_default_adam_first_step_exact(base, cache):
-    adam = Experiment(base, cache, "cp_adam", DEFAULT_ADAM)
+def test_cp2_default_adam_first_step_exact(shared_runs, cache):
+    adam = experiment(shared_runs, cache, "adam", DEFAULT_ADAM)
     nproc, extra = CP_LAYOUTS["cp2"]
     assert_close(adam.run("cp2", nproc, extra), adam.reference, 1e-5, 1e-3)
 
@@ -94,8 +90,8 @@ def _assert_second_half_close(got: Dict[str, List[float]], straight: Dict[str, L
 
 
 @pytest.fixture(scope="module")
-def resumable(base, cache) -> Experiment:
-    return Experiment(base, cache, "cp_resume", [*ADAM_AS_SGD, "optimizer.use_distributed_optimizer=false"])
+def resumable(shared_runs, cache) -> Experiment:
+    return experiment(shared_runs, cache, "cp_resume", [*ADAM_AS_SGD, "optimizer.use_distributed_optimizer=false"])
 
 
 def test_resume_cp1_checkpoint_at_cp2(resumable: Experiment):

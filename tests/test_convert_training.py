@@ -60,7 +60,7 @@ def _global_batch(cfg, step: int):
     return {key: torch.cat([p[key] for p in parts]) for key in ("tokens", "labels", "loss_mask", "position_ids")}
 
 
-def test_import_train_export_matches_logged_loss(tmp_path):
+def test_import_train_export_matches_logged_loss(tmp_path, data_cache):
     from megatron_recipes.config.compose import from_yaml
     from megatron_recipes.convert.importer import train_command
 
@@ -68,7 +68,7 @@ def test_import_train_export_matches_logged_loss(tmp_path):
     imported = run_import(hf, tmp_path / "imported", ParallelConfig(tp=2), progress=False)
     command = train_command(imported.out_dir, imported.cfg.model.name, "tiny_llama_cpu").split()[3:]
     run = ts.train(
-        tmp_path / "run", tmp_path / "cache", *command, *ts.FAST, f"train.train_iters={STEPS}",
+        tmp_path / "run", data_cache, *command, *ts.FAST, f"train.train_iters={STEPS}",
         f"train.global_batch_size={GBS}", f"train.micro_batch_size={MBS}", "optimizer.lr=3e-3", "optimizer.min_lr=0",
         "optimizer.lr_decay_style=linear", f"optimizer.lr_decay_iters={STEPS - 1}", "optimizer.lr_warmup_iters=0",
         f"checkpoint.save_interval={STEPS}", "parallel.tp=2", f"data.builtin_vocab_size={VOCAB}", nproc=2,

@@ -18,8 +18,8 @@ from megatron_recipes.data.preprocess import preprocess
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return str(small_builtin(tmp_path_factory.mktemp("cache")).tokenizer_dir)
+def tok_dir(data_cache):
+    return str(small_builtin(data_cache).tokenizer_dir)  # read only; built once per session (conftest.py)
 
 
 def _run(args, capsys):

@@ -33,8 +33,8 @@ LAYOUTS = {"dp2": (2, []), "pp2_vpp2_dp2": (4, ["parallel.pp=2", "parallel.vpp=2
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data-cache")
+def cache(data_cache) -> Path:
+    return data_cache  # one data cache per session (tests/conftest.py)
 
 
 def _run(base: Path, cache: Path, name: str, nproc: int, extra, overlap: bool) -> ts.Run:

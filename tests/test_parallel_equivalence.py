@@ -23,7 +23,7 @@ Validation losses (forward-only schedules) are compared at steps 3 and 6 with th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import pytest
 
@@ -84,10 +84,12 @@ DENSE_LAYOUTS = {
 class Experiment:
     """One model + optimizer setting: its step-0 weights, its single-rank reference, then any layout."""
 
-    def __init__(self, base: Path, cache: Path, name: str, overrides: Sequence[str], recipe: str = "tiny_llama_cpu"):
+    def __init__(self, base: Path, cache: Path, name: str, overrides: Sequence[str], recipe: str = "tiny_llama_cpu",
+                 init: Optional[Path] = None):
         self.base, self.cache, self.name, self.recipe = base / name, cache, name, recipe
         self.overrides = [*COMMON, *overrides]
-        init = ts.initial_weights(self.base / "init" / "checkpoints", cache, *self.overrides, recipe=recipe)
+        if init is None:
+            init = ts.initial_weights(self.base / "init" / "checkpoints", cache, *self.overrides, recipe=recipe)
         self.overrides.append(f"checkpoint.pretrained={init}")
         self.reference = self.run("single", 1, [])
 
@@ -107,19 +109,33 @@ def assert_close(got: Dict[str, List[float]], ref: Dict[str, List[float]], first
     assert ref["loss"][-1] != ref["loss"][0], "training did not change the loss: the comparison would be vacuous"
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data-cache")
+def experiment(shared_runs, cache: Path, name: str, overrides: Sequence[str], recipe: str = "tiny_llama_cpu") -> Experiment:
+    """The Experiment of ``recipe`` + ``overrides``, built once per session (conftest ``shared_runs``).
+
+    Same recipe, overrides and data give the same step-0 weights and single-rank losses, so every module
+    asking for them (this one, test_context_parallel_training.py) compares against one reference run.
+    The step-0 checkpoint is shared more widely, by every setting with the same model: the optimizer
+    settings do not enter the initial weights (it is a weights-only checkpoint, built before any optimizer).
+    """
+    full = [*COMMON, *overrides]
+    model_key = tuple(o for o in full if not o.startswith("optimizer"))
+
+    def init() -> Path:
+        return ts.initial_weights(shared_runs.folder(f"{name}_init") / "checkpoints", cache, *full, recipe=recipe)
+
+    start = shared_runs.get(("init", recipe, model_key, str(cache)), init)
+    return shared_runs.get(("experiment", recipe, tuple(full), str(cache)),
+                           lambda: Experiment(shared_runs.folder(name), cache, name, overrides, recipe, init=start))
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("equivalence")
+def cache(data_cache) -> Path:
+    return data_cache
 
 
 @pytest.fixture(scope="module")
-def dense_sgd(base, cache) -> Experiment:
-    return Experiment(base, cache, "dense_sgd", SGD)
+def dense_sgd(shared_runs, cache) -> Experiment:
+    return experiment(shared_runs, cache, "sgd", SGD)
 
 
 @pytest.mark.parametrize("layout", list(DENSE_LAYOUTS))
@@ -129,21 +145,21 @@ def test_dense_layout_matches_single_rank_sgd(dense_sgd: Experiment, layout: str
     assert_close(got, dense_sgd.reference, 1e-5, 1e-5)
 
 
-def test_ep2_moe_alltoall_matches_single_rank_sgd(base, cache):
-    moe = Experiment(base, cache, "moe_sgd", [*SGD, "model=tiny_moe", "parallel.moe_dispatcher=alltoall"])
+def test_ep2_moe_alltoall_matches_single_rank_sgd(shared_runs, cache):
+    moe = experiment(shared_runs, cache, "moe_sgd", [*SGD, "model=tiny_moe", "parallel.moe_dispatcher=alltoall"])
     got = moe.run("ep2", 2, ["parallel.ep=2"])
     assert_close(got, moe.reference, 1e-5, 1e-5)
 
 
-def test_dp2_distributed_optimizer_matches_single_rank(base, cache):
-    exp = Experiment(base, cache, "dp2_distopt", ADAM_AS_SGD)
+def test_dp2_distributed_optimizer_matches_single_rank(shared_runs, cache):
+    exp = experiment(shared_runs, cache, "dp2_distopt", ADAM_AS_SGD)
     got = exp.run("dp2", 2, [])
     assert_close(got, exp.reference, 1e-5, 1e-5)
 
 
 @pytest.fixture(scope="module")
-def dense_adam(base, cache) -> Experiment:
-    return Experiment(base, cache, "dense_adam", DEFAULT_ADAM)
+def dense_adam(shared_runs, cache) -> Experiment:
+    return experiment(shared_runs, cache, "adam", DEFAULT_ADAM)
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])

@@ -26,8 +26,8 @@ RUN = [*ts.FAST[:6], "parallel.tp=1", "train.train_iters=12", "optimizer.lr_warm
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data-cache")
+def cache(data_cache) -> Path:
+    return data_cache  # one data cache per session (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -48,8 +48,8 @@ def test_every_shipped_recipe_uses_a_warmup_fraction():
 
 
 @pytest.mark.slow
-def test_seed_checkpoint_makes_two_layouts_start_equal(tmp_path):
-    cache = tmp_path / "cache"
+def test_seed_checkpoint_makes_two_layouts_start_equal(tmp_path, data_cache):
+    cache = data_cache  # the session's built-in corpus (tests/conftest.py)
     base = [*ts.FAST, "precision=fp32", "model.vocab_size=768"]  # no padding at TP=1 or TP=2
     common = [*base, "train.train_iters=1", "checkpoint.save=false"]
     seed = ts.train(tmp_path / "seed", cache, *base, "train.train_iters=0", "parallel=none", nproc=1).check()

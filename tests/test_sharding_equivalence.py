@@ -116,7 +116,7 @@ def test_zero1_estimate_would_miss_fsdp_sharding():
     assert w3 == pytest.approx(w1 / 2) and g3 == pytest.approx(g1 / 2)
 
 
-def test_trainer_fsdp_zero3_from_pretrained_matches_single_rank(tmp_path):
+def test_trainer_fsdp_zero3_from_pretrained_matches_single_rank(tmp_path, data_cache):
     """The real trainer (its own torchrun ranks, built-in data): Megatron-FSDP zero3 over DP=2, started from a
     single-rank step-0 checkpoint (loaded into the bare model before sharding), trains like one rank."""
     import train_support as ts
@@ -124,7 +124,7 @@ def test_trainer_fsdp_zero3_from_pretrained_matches_single_rank(tmp_path):
     common = [*ts.FAST, "train.train_iters=3", "logging.eval_interval=3", "logging.eval_iters=1",
               "checkpoint.save=false", "checkpoint.load=none", "parallel=none", "precision=fp32",
               "optimizer.lr=3.0e-3", "optimizer.lr_warmup_iters=1"]
-    cache = tmp_path / "cache"
+    cache = data_cache  # the session's built-in corpus (tests/conftest.py)
     init = ts.initial_weights(tmp_path / "init" / "checkpoints", cache, *common)
     common.append(f"checkpoint.pretrained={init}")
     single = ts.train(tmp_path / "single", cache, *common, nproc=1).check()

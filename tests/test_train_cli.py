@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data-cache")
+def cache(data_cache) -> Path:
+    return data_cache  # one data cache per session (tests/conftest.py)
 
 
 def test_console_script_trains_and_writes_every_output(tmp_path, cache):

@@ -116,12 +116,12 @@ def test_mtp_block_norms_are_sequence_parallel_capable_too(config):
 
 
 @pytest.mark.slow
-def test_multi_token_prediction_trains_under_pipeline_parallelism(tmp_path):
+def test_multi_token_prediction_trains_under_pipeline_parallelism(tmp_path, data_cache):
     """The MTP block sits on the last pipeline stage and embeds the input ids itself: the trainer must hand
     that stage the tokens too (found by `megatron-recipes check deepseek_v3_pretrain`: PP4 with MTP)."""
     import train_support as ts
 
-    run = ts.train(tmp_path / "mtp_pp2", tmp_path / "cache", *ts.FAST, "train.train_iters=2", "parallel=pp2",
+    run = ts.train(tmp_path / "mtp_pp2", data_cache, *ts.FAST, "train.train_iters=2", "parallel=pp2",
                    "model.mtp_num_layers=1", "model.vocab_size=640", "checkpoint.save=false", nproc=2)
     assert run.returncode == 0, run.output[-3000:]
     assert len(run.series("loss")) == 2

@@ -33,8 +33,8 @@ KILLER = Path(__file__).parent / "helpers" / "kill_during_save.py"
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data-cache")
+def cache(data_cache) -> Path:
+    return data_cache  # one data cache per session (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
