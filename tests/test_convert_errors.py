@@ -95,8 +95,8 @@ def test_nan_in_weights_stops_and_leaves_no_output(llama, tmp_path):
     "parallel, words",
     [
         (ParallelConfig(tp=3), ["num_attention_heads=4", "parallel.tp=3"]),
-        (ParallelConfig(tp=4), ["num_query_groups=2", "tp in [1, 2]"]),
-        (ParallelConfig(pp=3), ["num_layers=4", "pp x vpp = 3"]),
+        (ParallelConfig(tp=4), ["num_query_groups=2", "parallel.tp in {1, 2}"]),  # the rule table's notation
+        (ParallelConfig(pp=3), ["num_layers=4", "parallel.pp*vpp = 3*1 = 3"]),
         (ParallelConfig(ep=2), ["parallel.ep=2", "dense"]),
     ],
 )

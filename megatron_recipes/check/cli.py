@@ -33,8 +33,8 @@ OPTIMIZER = [
 ]
 QUIET = ["logging.log_interval=1", "logging.eval_interval=100000", "logging.eval_iters=0", "logging.plot=false",
          "logging.tensorboard=false", "logging.wandb_project=null"]
-# Inputs the check brings itself (its seed checkpoint and data), so a recipe is not refused for lacking them.
-INPUT_RULES = ("data.sft_needs_path", "peft.needs_pretrained")
+# Inputs the check brings itself (its seed checkpoint and data): the input rules needing them are not judged.
+PROVIDES = ("data.sft_path", "checkpoint.pretrained")
 MOCK = ["data=mock", "data.builtin_max_files=80", "data.builtin_vocab_size=600"]
 
 
@@ -105,10 +105,11 @@ def plan_runs(recipe: str, user: Sequence[str], max_ranks: int, steps: int, stop
     """(recipe cfg, Shrunk, per-run overrides, notes): everything decided before a process starts.
 
     ``out`` (default ``runs/check/<run name>``) holds the four runs: seed, reference, layout, reshard."""
+    from megatron_recipes.config.rules import select
     from megatron_recipes.config.validate import validate_or_raise
 
     cfg = _compose(recipe, user)
-    validate_or_raise(cfg, recipe, skip=INPUT_RULES)  # the recipe as written, on its own cluster
+    validate_or_raise(cfg, recipe, rules=select(provided=PROVIDES))  # the recipe as written, on its own cluster
     small = shrink(cfg, max_ranks, None if full_depth else LAYERS_PER_CHUNK)
     notes = list(small.notes)
     env = ["cluster=local_cpu", "cluster.nodes=1", "precision=fp32", *_data(cfg), *OPTIMIZER, *QUIET,

@@ -1,19 +1,20 @@
 """The validation rule table: every static check a recipe must pass before anything starts.
 
-Each entry is a ``Rule`` (id, fields, check, message, fix), grouped by concern in ``rules_*.py``.
-``validate.py`` runs the table. Checks that need the machine a run lands on (is Transformer Engine
-importable, is DeepEP installed) belong to the trainer; these compare the recipe with the cluster it
-declares.
+Each entry is a ``Rule`` (id, fields, check, message, fix, scope), grouped by concern in ``rules_*.py``.
+``validate.py`` runs the table; a command picks the rules it judges with ``select`` (by scope: the recipe
+against the cluster it declares, the inputs a run reads, Slurm settings, the machine the run starts on).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, Iterable, List
 
-from megatron_recipes.config.rules_base import Rule
+from megatron_recipes.config.rules_base import DEFAULT_SCOPES, SCOPES, Host, Rule
 from megatron_recipes.config.rules_cp import CP_RULES
 from megatron_recipes.config.rules_data import DATA_RULES
+from megatron_recipes.config.rules_launch import LAUNCH_RULES
 from megatron_recipes.config.rules_layout import LAYOUT_RULES
+from megatron_recipes.config.rules_machine import MACHINE_RULES
 from megatron_recipes.config.rules_memory import MEMORY_RULES
 from megatron_recipes.config.rules_model import MODEL_RULES
 from megatron_recipes.config.rules_moe import MOE_RULES
@@ -27,8 +28,19 @@ from megatron_recipes.config.rules_values import VALUE_RULES
 # speaks once the layout it estimates is otherwise valid.
 RULES: List[Rule] = (
     VALUE_RULES + LAYOUT_RULES + CP_RULES + MODEL_RULES + MOE_RULES + PRECISION_RULES + TRAIN_RULES + SHARDING_RULES
-    + DATA_RULES + PEFT_RULES + MEMORY_RULES
+    + DATA_RULES + PEFT_RULES + MEMORY_RULES + LAUNCH_RULES + MACHINE_RULES
 )
+
+
+def select(scopes: Iterable[str] = DEFAULT_SCOPES, provided: Iterable[str] = (), model_layout: bool = False) -> List[Rule]:
+    """The rules a command judges, in table order: those of ``scopes``, minus input rules whose input the
+    command brings itself (``provided``, e.g. `check`'s own seed checkpoint); ``model_layout`` keeps only
+    the rules on the model and its layout (what a conversion target must meet)."""
+    scopes, provided = set(scopes), set(provided)
+    unknown = scopes - set(SCOPES)
+    if unknown:
+        raise ValueError(f"unknown rule scope(s) {sorted(unknown)}; scopes are {sorted(SCOPES)}")
+    return [r for r in RULES if r.scope in scopes and r.needs not in provided and (r.model_layout or not model_layout)]
 
 
 def rules_by_id() -> Dict[str, Rule]:
@@ -39,4 +51,4 @@ def rules_by_id() -> Dict[str, Rule]:
     return table
 
 
-__all__ = ["Rule", "RULES", "rules_by_id"]
+__all__ = ["Host", "Rule", "RULES", "SCOPES", "rules_by_id", "select"]

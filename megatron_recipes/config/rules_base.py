@@ -1,20 +1,41 @@
 """What a validation rule is, plus the small helpers rule checks share (divisors, value lists).
 
 A rule is data: an id, the fields it reads, a check returning ``None`` (fine) or a message that names
-the offending values and the valid ones, a one-line statement of the rule, and a fix. Rules whose inputs
-are already broken by a more basic rule return ``None`` so every problem is reported once.
+the offending values and the valid ones, a one-line statement of the rule, a fix, and a scope saying
+which command judges it (``SCOPES``). Rules whose inputs are already broken by a more basic rule return
+``None`` so every problem is reported once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.schema import RunConfig
 
-Check = Callable[[RunConfig], Optional[str]]
+Check = Callable[..., Optional[str]]  # (cfg) or, for scopes in HOST_SCOPES, (cfg, host)
 Fix = Union[str, Callable[[RunConfig], str]]
+
+# Which command judges a rule. `train` runs recipe + input + machine, `check` recipe + input (minus the
+# inputs it brings itself) + machine, `plan` recipe only, `slurm` recipe + input + launch (+ host paths).
+SCOPES = {
+    "recipe": "the recipe against the cluster it declares (every command)",
+    "input": "files and checkpoints a training run reads (train, slurm; plan never opens them)",
+    "launch": "Slurm settings that would fail only after the job waited in the queue (slurm)",
+    "machine": "what the machine the run starts on can honour: GPU, Transformer Engine, DeepEP (train, check)",
+}
+HOST_SCOPES = ("launch", "machine")  # their checks also read the host they run on (a ``Host``)
+DEFAULT_SCOPES = ("recipe", "input")
+
+
+@dataclass(frozen=True)
+class Host:
+    """What host-scoped checks may look at: whether local paths are judged, and the machine's abilities
+    (``models.capabilities.Machine``; None = detect this machine when a check needs it)."""
+
+    check_paths: bool = True
+    machine: Any = None
 
 
 @dataclass(frozen=True)
@@ -24,16 +45,26 @@ class Rule:
     check: Check
     message: str  # the rule itself, one line (shown in docs and `plan --rules`)
     fix: Fix
+    scope: str = "recipe"  # a key of SCOPES
+    needs: Optional[str] = None  # scope "input": the input it requires (a command that brings it skips the rule)
+    model_layout: bool = False  # reads only the model and its layout: a conversion target is checked by it
 
     def fix_text(self, cfg: RunConfig) -> str:
         return self.fix(cfg) if callable(self.fix) else self.fix
 
+    def run(self, cfg: RunConfig, host: Host) -> Optional[str]:
+        return self.check(cfg, host) if self.scope in HOST_SCOPES else self.check(cfg)
 
-def rule(id: str, fields: Sequence[str], message: str, fix: Fix) -> Callable[[Check], Rule]:
+
+def rule(id: str, fields: Sequence[str], message: str, fix: Fix, scope: str = "recipe", needs: Optional[str] = None,
+         model_layout: bool = False) -> Callable[[Check], Rule]:
     """Decorator: turn a check function into a ``Rule`` entry of the table."""
+    if scope not in SCOPES or (scope == "input") != (needs is not None):
+        raise ValueError(f"rule {id}: scope {scope!r} (one of {sorted(SCOPES)}); input rules, and only they, name what they need")
 
     def wrap(check: Check) -> Rule:
-        return Rule(id=id, fields=tuple(fields), check=check, message=message, fix=fix)
+        return Rule(id=id, fields=tuple(fields), check=check, message=message, fix=fix, scope=scope, needs=needs,
+                    model_layout=model_layout)
 
     return wrap
 

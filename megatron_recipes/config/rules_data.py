@@ -38,6 +38,8 @@ def _kind(cfg: RunConfig) -> Optional[str]:
     ["data.kind", "data.blend", "data.blend_per_split"],
     "indexed data names its datasets in data.blend or data.blend_per_split",
     "set data.blend=[/path/to/prefix_text_document] or data.blend=[0.7,/a_text_document,0.3,/b_text_document]",
+    scope="input",
+    needs="data.blend",
 )
 def _indexed_blend(cfg: RunConfig) -> Optional[str]:
     d = cfg.data
@@ -93,6 +95,8 @@ def _split(cfg: RunConfig) -> Optional[str]:
     ["data.kind", "data.sft_path", "data.overlong_policy"],
     "SFT data names its JSONL file (or builtin: the generated chat set); overlong_policy is truncate or drop",
     "set data.sft_path=/path/to/train.jsonl, or data.sft_path=builtin",
+    scope="input",
+    needs="data.sft_path",
 )
 def _sft(cfg: RunConfig) -> Optional[str]:
     d = cfg.data

@@ -27,6 +27,7 @@ def _world_desc(cfg: RunConfig) -> str:
     ["parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "parallel.etp", "parallel.vpp", "cluster.nodes", "cluster.gpus_per_node"],
     "every parallel degree and the cluster shape are positive integers",
     "set each degree to 1 or more (parallel.vpp=null disables interleaving)",
+    model_layout=True,
 )
 def _degrees_positive(cfg: RunConfig) -> Optional[str]:
     if degrees_ok(cfg):
@@ -62,6 +63,7 @@ def _world_factorisation(cfg: RunConfig) -> Optional[str]:
     ["parallel.ep", "parallel.etp", "parallel.pp", "parallel.tp", "parallel.cp"],
     "etp * ep * pp divides the world, i.e. the expert layout fits in the DP x CP x TP ranks of each stage",
     "lower parallel.ep (or parallel.etp) so that etp * ep divides tp * cp * dp",
+    model_layout=True,
 )
 def _expert_factorisation(cfg: RunConfig) -> Optional[str]:
     if not degrees_ok(cfg) or derived.data_parallel_size(cfg) == 0 or derived.expert_data_parallel_size(cfg) > 0:
@@ -81,6 +83,7 @@ def _expert_factorisation(cfg: RunConfig) -> Optional[str]:
     ["model.num_attention_heads", "parallel.tp"],
     "num_attention_heads is divisible by parallel.tp",
     "pick a TP degree that divides the number of heads",
+    model_layout=True,
 )
 def _tp_heads(cfg: RunConfig) -> Optional[str]:
     m, tp = cfg.model, cfg.parallel.tp
@@ -94,6 +97,7 @@ def _tp_heads(cfg: RunConfig) -> Optional[str]:
     ["model.num_query_groups", "parallel.tp"],
     "num_query_groups (K/V heads) is divisible by parallel.tp",
     "pick a TP degree that divides the number of query groups",
+    model_layout=True,
 )
 def _tp_query_groups(cfg: RunConfig) -> Optional[str]:
     m, tp = cfg.model, cfg.parallel.tp
@@ -107,6 +111,7 @@ def _tp_query_groups(cfg: RunConfig) -> Optional[str]:
     ["model.ffn_hidden_size", "model.moe_shared_expert_intermediate_size", "parallel.tp"],
     "ffn_hidden_size (and the shared-expert size) is divisible by parallel.tp",
     "pick a TP degree that divides the MLP width",
+    model_layout=True,
 )
 def _tp_ffn(cfg: RunConfig) -> Optional[str]:
     m, tp = cfg.model, cfg.parallel.tp
@@ -236,6 +241,7 @@ def pipeline_split_problem(cfg: RunConfig) -> Optional[str]:
     "embedding/loss counted as layers)",
     "choose pp (and vpp) dividing num_layers, set num_layers_in_first/last_pipeline_stage, or "
     "parallel.account_for_embedding/loss_in_pipeline_split=true",
+    model_layout=True,
 )
 def _pp_layer_split(cfg: RunConfig) -> Optional[str]:
     return pipeline_split_problem(cfg) if degrees_ok(cfg) else None
@@ -246,6 +252,7 @@ def _pp_layer_split(cfg: RunConfig) -> Optional[str]:
     ["parallel.vpp", "parallel.pp"],
     "interleaving (parallel.vpp) is null, or >= 2 with parallel.pp > 1",
     "set parallel.vpp=null, or parallel.pp>1 with parallel.vpp>=2",
+    model_layout=True,
 )
 def _vpp_value(cfg: RunConfig) -> Optional[str]:
     p = cfg.parallel

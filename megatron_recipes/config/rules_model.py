@@ -5,12 +5,8 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_recipes.config.rules_base import choices, divisors, one_of, rule
-from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.config.schema import ACTIVATIONS, NORMALIZATIONS, POSITION_TYPES, ROPE_SCALING_TYPES, RunConfig
 
-NORMALIZATIONS = ("RMSNorm", "LayerNorm")
-ACTIVATIONS = ("swiglu", "gelu", "squared_relu")
-POSITION_TYPES = ("rope", "learned_absolute", "none")
-ROPE_SCALING_TYPES = ("llama3", "yarn")
 # The families conversion/ has a mapping for (tests/test_hostile_recipes.py keeps the two lists equal):
 # a family without one would train and only fail at export.
 FAMILIES = ("deepseek_v3", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
@@ -50,6 +46,7 @@ def _family(cfg: RunConfig) -> Optional[str]:
     ["model.num_attention_heads", "model.num_query_groups"],
     "num_attention_heads is a multiple of num_query_groups (GQA shares each K/V head among whole groups)",
     "set model.num_query_groups to a divisor of num_attention_heads",
+    model_layout=True,
 )
 def _groups_divide_heads(cfg: RunConfig) -> Optional[str]:
     m = cfg.model
@@ -68,6 +65,7 @@ def _groups_divide_heads(cfg: RunConfig) -> Optional[str]:
     ["model.hidden_size", "model.num_attention_heads", "model.kv_channels"],
     "without kv_channels, hidden_size is divisible by num_attention_heads (the head dimension)",
     "set model.kv_channels explicitly, or a head count dividing hidden_size",
+    model_layout=True,
 )
 def _head_dim(cfg: RunConfig) -> Optional[str]:
     m = cfg.model
@@ -94,6 +92,7 @@ def _seq_within_context(cfg: RunConfig) -> Optional[str]:
     ["model.normalization", "model.activation", "model.position_embedding_type"],
     "normalization, activation and position embedding name implementations the model builder has",
     "use a listed value",
+    model_layout=True,
 )
 def _model_options(cfg: RunConfig) -> Optional[str]:
     m = cfg.model
@@ -109,6 +108,7 @@ def _model_options(cfg: RunConfig) -> Optional[str]:
     ["model.rope_scaling", "model.position_embedding_type", "model.rotary_percent", "model.rotary_base"],
     "RoPE scaling needs RoPE; rope_type is llama3 or yarn with factor >= 1; 0 < rotary_percent <= 1",
     "fix the RoPE fields named above",
+    model_layout=True,
 )
 def _rope(cfg: RunConfig) -> Optional[str]:
     m = cfg.model
@@ -133,6 +133,7 @@ def _rope(cfg: RunConfig) -> Optional[str]:
     ["model.make_vocab_size_divisible_by", "model.vocab_size"],
     "vocab padding multiple is 1 (no padding) or a multiple of 8 (tensor-core GEMM shapes); vocab_size >= 1",
     "use model.make_vocab_size_divisible_by=128 (megatron's default) or 1",
+    model_layout=True,
 )
 def _vocab_padding(cfg: RunConfig) -> Optional[str]:
     m = cfg.model
@@ -162,6 +163,7 @@ def _builtin_vocab(cfg: RunConfig) -> Optional[str]:
     ["model.multi_latent_attention", "model.kv_lora_rank", "model.qk_head_dim", "model.qk_pos_emb_head_dim", "model.v_head_dim"],
     "multi-latent attention needs kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim and v_head_dim (all > 0)",
     "set the MLA dimensions as published (DeepSeek-V3: 512, 128, 64, 128)",
+    model_layout=True,
 )
 def _mla_fields(cfg: RunConfig) -> Optional[str]:
     m = cfg.model
@@ -179,6 +181,7 @@ def _mla_fields(cfg: RunConfig) -> Optional[str]:
     ["model.multi_latent_attention", "model.position_embedding_type"],
     "MLA applies RoPE to its decoupled qk_pos_emb part, so position_embedding_type is rope",
     "set model.position_embedding_type=rope",
+    model_layout=True,
 )
 def _mla_rope(cfg: RunConfig) -> Optional[str]:
     m = cfg.model

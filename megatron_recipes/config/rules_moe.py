@@ -32,6 +32,7 @@ def _valid_ep(cfg: RunConfig) -> list[int]:
     ["parallel.ep", "model.num_moe_experts"],
     "expert parallelism (parallel.ep > 1) needs a mixture-of-experts model",
     "set parallel.ep=1 for a dense model",
+    model_layout=True,
 )
 def _ep_needs_experts(cfg: RunConfig) -> Optional[str]:
     if cfg.parallel.ep > 1 and not _moe(cfg):
@@ -44,6 +45,7 @@ def _ep_needs_experts(cfg: RunConfig) -> Optional[str]:
     ["model.moe_ffn_hidden_size", "model.moe_shared_expert_intermediate_size", "model.num_moe_experts"],
     "MoE-only sizes are unset on dense models (megatron-core rejects them)",
     "remove the MoE fields, or set model.num_moe_experts",
+    model_layout=True,
 )
 def _settings_need_experts(cfg: RunConfig) -> Optional[str]:
     m = cfg.model
@@ -58,6 +60,7 @@ def _settings_need_experts(cfg: RunConfig) -> Optional[str]:
     ["model.num_moe_experts", "parallel.ep"],
     "num_moe_experts is divisible by parallel.ep (each EP rank holds the same number of experts)",
     "pick parallel.ep dividing the number of experts",
+    model_layout=True,
 )
 def _experts_ep(cfg: RunConfig) -> Optional[str]:
     m, ep = cfg.model, cfg.parallel.ep
@@ -71,6 +74,7 @@ def _experts_ep(cfg: RunConfig) -> Optional[str]:
     ["model.moe_router_topk", "model.num_moe_experts", "model.moe_router_score_function", "model.moe_router_pre_softmax"],
     "1 <= moe_router_topk <= num_moe_experts; top-1 softmax routing needs moe_router_pre_softmax",
     "set a top-k between 1 and the number of experts",
+    model_layout=True,
 )
 def _router_topk(cfg: RunConfig) -> Optional[str]:
     m = cfg.model
@@ -88,6 +92,7 @@ def _router_topk(cfg: RunConfig) -> Optional[str]:
     ["model.moe_router_num_groups", "model.moe_router_group_topk", "model.num_moe_experts", "model.moe_router_topk"],
     "group-limited routing: num_groups divides the experts, group_topk <= num_groups, topk fits the chosen groups",
     "set moe_router_num_groups/group_topk consistently (DeepSeek-V3: 8 groups, 4 chosen)",
+    model_layout=True,
 )
 def _group_routing(cfg: RunConfig) -> Optional[str]:
     m = cfg.model
@@ -110,6 +115,7 @@ def _group_routing(cfg: RunConfig) -> Optional[str]:
     ["model.moe_router_score_function", "model.moe_router_load_balancing_type", "model.moe_router_enable_expert_bias"],
     "score function and load balancing are known values; expert-bias (aux-loss-free) routing needs sigmoid scores",
     "use a listed value; moe_router_enable_expert_bias=true with moe_router_score_function=sigmoid",
+    model_layout=True,
 )
 def _router_options(cfg: RunConfig) -> Optional[str]:
     m = cfg.model
@@ -130,6 +136,7 @@ def _router_options(cfg: RunConfig) -> Optional[str]:
     ["model.moe_first_dense_layers", "model.num_layers"],
     "0 <= moe_first_dense_layers < num_layers",
     "set how many leading layers stay dense (DeepSeek-V3: 3)",
+    model_layout=True,
 )
 def _first_dense(cfg: RunConfig) -> Optional[str]:
     m = cfg.model
@@ -143,6 +150,7 @@ def _first_dense(cfg: RunConfig) -> Optional[str]:
     ["parallel.sp", "parallel.tp", "model.num_moe_experts"],
     "MoE layers with TP > 1 need sequence parallelism (megatron-core refuses to train otherwise)",
     "set parallel.sp=true",
+    model_layout=True,
 )
 def _tp_needs_sp(cfg: RunConfig) -> Optional[str]:
     p = cfg.parallel
@@ -156,6 +164,7 @@ def _tp_needs_sp(cfg: RunConfig) -> Optional[str]:
     ["parallel.etp", "model.moe_ffn_hidden_size"],
     "the expert FFN width is divisible by the expert tensor-parallel degree",
     "pick parallel.etp dividing moe_ffn_hidden_size (etp=1 is usual for fine-grained experts)",
+    model_layout=True,
 )
 def _etp_ffn(cfg: RunConfig) -> Optional[str]:
     m = cfg.model

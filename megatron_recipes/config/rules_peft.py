@@ -182,6 +182,8 @@ def _prefix_layout(cfg: RunConfig) -> Optional[str]:
     ["peft.method", "data.kind", "checkpoint.pretrained"],
     "fine-tuning (adapters, or full SFT on data.kind=sft) starts from checkpoint.pretrained",
     "set checkpoint.pretrained=<converted checkpoint> (see `megatron-recipes convert import`)",
+    scope="input",
+    needs="checkpoint.pretrained",
 )
 def _needs_pretrained(cfg: RunConfig) -> Optional[str]:
     m = _method(cfg)

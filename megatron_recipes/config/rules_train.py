@@ -6,12 +6,7 @@ from typing import Optional
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.rules_base import choices, divisors, layers_ok, one_of, rule, world_ok
-from megatron_recipes.config.schema import RunConfig
-
-RECOMPUTE = ("none", "selective", "full")
-RECOMPUTE_METHODS = ("uniform", "block")
-OPTIMIZERS = ("adam", "sgd")
-DECAY_STYLES = ("cosine", "linear", "constant")
+from megatron_recipes.config.schema import DECAY_STYLES, OPTIMIZERS, RECOMPUTE, RECOMPUTE_METHODS, RunConfig
 
 
 @rule(

@@ -13,6 +13,18 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
+# Allowed values of the string-valued fields, defined once: the rule table checks recipes against them and
+# the builders (optimizer, transformer config, Slurm script) map exactly these.
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+ACTIVATIONS = ("swiglu", "gelu", "squared_relu")
+POSITION_TYPES = ("rope", "learned_absolute", "none")
+ROPE_SCALING_TYPES = ("llama3", "yarn")
+RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+OPTIMIZERS = ("adam", "sgd")
+DECAY_STYLES = ("cosine", "linear", "constant")
+LAUNCHERS = ("torchrun", "pmix")
+
 
 @dataclass
 class RopeScalingConfig:

@@ -1,24 +1,30 @@
-"""Run the rule table over a composed recipe: every violated rule, reported together."""
+"""Run the rule table over a composed recipe: every violated rule, reported together.
+
+By default the recipe and input scopes (what `train` judges before any rank starts); commands pass their
+own selection (``rules.select``) and, for the launch and machine scopes, the ``Host`` they run on.
+"""
 
 from __future__ import annotations
 
 from typing import Iterable, List, Optional
 
 from megatron_recipes.config.errors import ValidationError, Violation
-from megatron_recipes.config.rules import RULES, Rule
-from megatron_recipes.config.rules_base import degrees_ok
+from megatron_recipes.config.rules import Rule, select
+from megatron_recipes.config.rules_base import Host, degrees_ok
 from megatron_recipes.config.schema import RunConfig
 
 
-def validate(cfg: RunConfig, rules: Optional[Iterable[Rule]] = None, skip: Iterable[str] = ()) -> List[Violation]:
-    """Violations of ``rules`` (default: the whole table), in table order; empty when the recipe is valid."""
+def validate(cfg: RunConfig, rules: Optional[Iterable[Rule]] = None, skip: Iterable[str] = (),
+             host: Optional[Host] = None) -> List[Violation]:
+    """Violations of ``rules`` (default: the recipe and input scopes), in table order; empty when valid."""
     skipped = set(skip)
+    host = host or Host()
     out: List[Violation] = []
-    for r in RULES if rules is None else rules:
+    for r in select() if rules is None else rules:
         if r.id in skipped:
             continue
         try:
-            message = r.check(cfg)
+            message = r.run(cfg, host)
         except (ZeroDivisionError, ValueError, TypeError) as exc:
             if not degrees_ok(cfg):
                 continue  # layout.degrees_positive already names the zero/negative degree
@@ -28,8 +34,18 @@ def validate(cfg: RunConfig, rules: Optional[Iterable[Rule]] = None, skip: Itera
     return out
 
 
-def validate_or_raise(cfg: RunConfig, recipe_name: str = "recipe", skip: Iterable[str] = ()) -> None:
-    """Raise one ``ValidationError`` listing every violated rule (never an ``assert``)."""
-    violations = validate(cfg, skip=skip)
+def validate_or_raise(cfg: RunConfig, recipe_name: str = "recipe", rules: Optional[Iterable[Rule]] = None,
+                      host: Optional[Host] = None) -> None:
+    """Raise one ``ValidationError`` listing every violated rule of ``rules`` (never an ``assert``)."""
+    violations = validate(cfg, rules=rules, host=host)
     if violations:
         raise ValidationError(violations, recipe=recipe_name)
+
+
+def require(cfg: RunConfig, *rule_ids: str) -> None:
+    """Raise the named rules' violations: a builder reachable without ``validate`` (tests, conversion)
+    asks the table for the rules on the fields it maps instead of repeating their allowed values."""
+    from megatron_recipes.config.rules import rules_by_id
+
+    table = rules_by_id()
+    validate_or_raise(cfg, "recipe", rules=[table[i] for i in rule_ids])

@@ -2,14 +2,12 @@
 
 Conversion is not a training run, but it builds (shape-only or real) megatron-core models and writes a
 checkpoint a trainer resumes from, so it speaks ``RunConfig`` like everything else. The layout is
-checked with the recipe rules when they are available, plus the three rules a converted model meets
-first: heads/query groups vs TP, layers vs PP x VPP, experts vs EP.
+checked with the rule table's rules on the model and its layout (``Rule.model_layout``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 from typing import Dict, List, Optional, Sequence
 
@@ -92,83 +90,14 @@ def with_parallel(cfg: RunConfig, parallel: ParallelConfig, world: Optional[int]
     return dataclasses.replace(cfg, parallel=parallel, cluster=cluster, train=train)
 
 
-def _own_checks(cfg: RunConfig) -> List[str]:
-    m, p = cfg.model, cfg.parallel
-    problems: List[str] = []
-    if p.tp < 1 or p.pp < 1 or p.ep < 1 or (p.etp is not None and p.etp < 1) or (p.vpp is not None and p.vpp < 1):
-        return [f"parallel degrees must be >= 1 (tp={p.tp} pp={p.pp} ep={p.ep} etp={p.etp} vpp={p.vpp})"]
-    if not m.multi_latent_attention:
-        if m.num_attention_heads % p.tp:
-            problems.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tp={p.tp}")
-        if m.num_query_groups % p.tp:
-            ok = [t for t in range(1, m.num_query_groups + 1) if m.num_query_groups % t == 0]
-            problems.append(f"model.num_query_groups={m.num_query_groups} is not divisible by parallel.tp={p.tp}; use tp in {ok}")
-    elif m.num_attention_heads % p.tp:
-        problems.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by parallel.tp={p.tp}")
-    stages = p.pp * (p.vpp or 1)
-    if p.vpp and p.pp < 2:
-        problems.append(f"parallel.vpp={p.vpp} needs parallel.pp >= 2")
-    if m.num_layers % stages:
-        problems.append(f"model.num_layers={m.num_layers} is not divisible by parallel.pp x vpp = {stages}")
-    if m.num_moe_experts:
-        if m.num_moe_experts % p.ep:
-            problems.append(f"model.num_moe_experts={m.num_moe_experts} is not divisible by parallel.ep={p.ep}")
-    elif p.ep > 1:
-        problems.append(f"parallel.ep={p.ep} needs a mixture-of-experts model (this one is dense)")
-    return problems
-
-
-# The recipe rules that concern a checkpoint's model and layout (not batch, data, cluster or memory).
-# ``mla.no_qkv_options`` is left out: megatron-core's MLA needs qk_layernorm for DeepSeek's latent norms.
-LAYOUT_RULES = (
-    "layout.degrees_positive",
-    "layout.expert_factorisation",
-    "tp.attention_heads",
-    "tp.query_groups",
-    "tp.ffn_hidden",
-    "pp.layer_split",
-    "pp.vpp_value",
-    "model.query_groups_divide_heads",
-    "model.head_dim",
-    "model.option_values",
-    "model.rope_settings",
-    "vocab.padding",
-    "mla.fields",
-    "mla.rope",
-    "moe.ep_needs_experts",
-    "moe.settings_need_experts",
-    "moe.experts_divisible_by_ep",
-    "moe.router_topk",
-    "moe.group_routing",
-    "moe.router_options",
-    "moe.first_dense_layers",
-    "moe.tp_needs_sp",
-    "etp.expert_ffn",
-)
-
-
-def _recipe_rules(cfg: RunConfig) -> Optional[str]:
-    """The project's rule table (``config.validate``), restricted to ``LAYOUT_RULES``; its report, or None."""
-    try:
-        validate = importlib.import_module("megatron_recipes.config.validate")
-        rules = importlib.import_module("megatron_recipes.config.rules")
-    except ModuleNotFoundError:
-        return None
-    chosen = [r for r in rules.RULES if r.id in LAYOUT_RULES]
-    violations = validate.validate(cfg, rules=chosen)
-    return "\n".join("  " + v.render() for v in violations) or None
-
-
 def check_layout(cfg: RunConfig) -> None:
-    problems = _own_checks(cfg)
-    if problems:
-        raise RecipeError(
-            "the target layout cannot hold this model:\n  - " + "\n  - ".join(problems),
-            fix="choose parallel.tp/pp/vpp/ep values that divide the model as listed",
-        )
-    report = _recipe_rules(cfg)
+    """The target layout against the rule table's model-and-layout rules (``model_layout``), all reported."""
+    from megatron_recipes.config.rules import select
+    from megatron_recipes.config.validate import validate
+
+    report = "\n".join("  " + v.render() for v in validate(cfg, rules=select(model_layout=True)))
     if report:
-        raise RecipeError(f"the target layout breaks the recipe rules:\n{report}", fix="adjust parallel.* as the rules say")
+        raise RecipeError(f"the target layout cannot hold this model:\n{report}", fix="adjust parallel.* as the rules say")
 
 
 def model_from_fields(fields: Dict[str, object], name: str) -> ModelConfig:

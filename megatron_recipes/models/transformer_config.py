@@ -25,14 +25,16 @@ def params_dtype(cfg: RunConfig) -> torch.dtype:
     return _DTYPES[cfg.precision.params_dtype]
 
 
-def _activation(name: str) -> Dict[str, Any]:
-    if name == "swiglu":
-        return {"activation_func": F.silu, "gated_linear_unit": True}
-    if name == "gelu":
-        return {"activation_func": F.gelu, "gated_linear_unit": False}
-    if name == "squared_relu":
-        return {"activation_func": lambda x: torch.pow(F.relu(x), 2), "gated_linear_unit": False}
-    raise RecipeError(f"model.activation={name!r} is not supported", fix="use swiglu, gelu or squared_relu")
+def _squared_relu(x: torch.Tensor) -> torch.Tensor:
+    return torch.pow(F.relu(x), 2)
+
+
+# model.activation (schema.ACTIVATIONS; rule model.option_values) -> megatron-core's activation fields.
+_ACTIVATIONS: Dict[str, Dict[str, Any]] = {
+    "swiglu": {"activation_func": F.silu, "gated_linear_unit": True},
+    "gelu": {"activation_func": F.gelu, "gated_linear_unit": False},
+    "squared_relu": {"activation_func": _squared_relu, "gated_linear_unit": False},
+}
 
 
 def _parallel_fields(cfg: RunConfig, on_gpu: bool) -> Dict[str, Any]:
@@ -116,13 +118,11 @@ def _recompute_fields(cfg: RunConfig) -> Dict[str, Any]:
         return {}
     if t.recompute == "selective":
         return {"recompute_granularity": "selective"}
-    if t.recompute == "full":
-        return {
-            "recompute_granularity": "full",
-            "recompute_method": t.recompute_method,
-            "recompute_num_layers": t.recompute_num_layers,
-        }
-    raise RecipeError(f"train.recompute={t.recompute!r} is not known", fix="use none, selective or full")
+    return {  # "full" (schema.RECOMPUTE; rule recompute.values)
+        "recompute_granularity": "full",
+        "recompute_method": t.recompute_method,
+        "recompute_num_layers": t.recompute_num_layers,
+    }
 
 
 def _offload_fields(cfg: RunConfig) -> Dict[str, Any]:
@@ -195,6 +195,9 @@ def build_transformer_config(cfg: RunConfig, use_te: bool, cpu_init: bool, fusio
     """
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
+    from megatron_recipes.config.validate import require
+
+    require(cfg, "model.option_values", "recompute.values")  # the values mapped below
     m = cfg.model
     fields: Dict[str, Any] = dict(
         num_layers=m.num_layers,
@@ -221,7 +224,7 @@ def build_transformer_config(cfg: RunConfig, use_te: bool, cpu_init: bool, fusio
     # Fused kernels as models.fusions decided for this machine (all off when not given: conversion).
     fields.update({name: False for name in fusions_off()})
     fields.update(fusions or {})
-    fields.update(_activation(m.activation))
+    fields.update(_ACTIVATIONS[m.activation])
     fields.update(_parallel_fields(cfg, on_gpu=not cpu_init))
     fields.update(_precision_fields(cfg))
     fields.update(_moe_fields(cfg, use_te))

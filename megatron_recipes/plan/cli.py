@@ -20,7 +20,7 @@ from megatron_recipes.config.compose import compose_recipe, to_yaml
 from megatron_recipes.config.errors import RecipeError, ValidationError
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.config.validate import validate
-from megatron_recipes.plan.search import INPUT_RULES  # `plan` says it did not check them
+from megatron_recipes.plan.search import INPUT_RULES, PLAN_RULES  # `plan` names the rules it did not check
 
 PROG = "megatron-recipes plan"
 FLAGS = {"search": False, "picture": True, "show-config": False, "json": False, "all-groups": False, "top": True, "rules": False}
@@ -64,19 +64,22 @@ def run_search(cfg: RunConfig, recipe: str, overrides: Sequence[str], top: int, 
 
 
 def print_rules(as_json: bool, console: Console) -> int:
+    """Every rule of the one table (all scopes), with the scope that says which command judges it."""
     from rich.table import Table
 
-    from megatron_recipes.config.rules import RULES
+    from megatron_recipes.config.rules import RULES, SCOPES
 
     if as_json:
-        print(json.dumps([{"id": r.id, "fields": list(r.fields), "rule": r.message} for r in RULES], indent=2))
+        print(json.dumps([{"id": r.id, "scope": r.scope, "fields": list(r.fields), "rule": r.message} for r in RULES], indent=2))
         return 0
     table = Table(title=f"validation rules ({len(RULES)})")
-    for col in ("id", "fields", "rule"):
+    for col in ("id", "scope", "fields", "rule"):
         table.add_column(col)
     for r in RULES:
-        table.add_row(r.id, ", ".join(r.fields), r.message)
+        table.add_row(r.id, r.scope, ", ".join(r.fields), r.message)
     console.print(table)
+    for name, what in SCOPES.items():
+        console.print(f"{name}: {what}")
     return 0
 
 
@@ -95,7 +98,7 @@ def main(argv: Sequence[str]) -> int:
     if args.flags.get("search"):
         return run_search(cfg, recipe, args.overrides, _top(args.flags.get("top", 5)), as_json, console)
 
-    violations = validate(cfg, skip=INPUT_RULES)
+    violations = validate(cfg, rules=PLAN_RULES)
     blocking = [v for v in violations if v.rule_id != MEMORY_RULE]
     if blocking:
         raise ValidationError(violations, recipe=recipe)

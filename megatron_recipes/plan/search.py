@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from megatron_recipes.config import derived
+from megatron_recipes.config.rules import select
 from megatron_recipes.config.rules_base import divisors
 from megatron_recipes.config.rules_layout import pipeline_split_problem
 from megatron_recipes.config.schema import RunConfig
@@ -24,8 +25,10 @@ from megatron_recipes.plan import sharding
 from megatron_recipes.plan.memory import MemoryEstimate, estimate_memory
 from megatron_recipes.plan.steptime import StepTime, estimate_step_time
 
-# Rules on a run's inputs (files a training job reads), which planning never opens: `train` checks them.
-INPUT_RULES = ("data.indexed_needs_blend", "data.sft_needs_path", "peft.needs_pretrained")
+# Planning judges the recipe scope only; the input rules (files a training job reads, which planning never
+# opens) are left to `train`, and `plan` names them.
+PLAN_RULES = select(("recipe",))
+INPUT_RULES = tuple(r.id for r in select(("input",)))
 MICRO_BATCHES = (1, 2, 4)
 MAX_VPP = 8
 
@@ -201,7 +204,7 @@ def _search_mode(cfg: RunConfig, top: int, max_validated: int, mode: Optional[st
             core = _core(cand.cfg)
             if core in seen:  # a faster variant (vpp, micro batch, recompute) of this layout is listed already
                 continue
-            violations = validate(cand.cfg, skip=INPUT_RULES)
+            violations = validate(cand.cfg, rules=PLAN_RULES)
             if violations:
                 rejected.update(v.rule_id for v in violations)
                 continue

@@ -10,8 +10,10 @@ import os
 from typing import Sequence
 
 from megatron_recipes.config.compose import compose_recipe
+from megatron_recipes.config.rules import Host, select
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.slurm import checks, container
+from megatron_recipes.config.validate import validate_or_raise
+from megatron_recipes.slurm import container
 from megatron_recipes.slurm.commands import PROBE_MODULE, TRAIN_MODULE, LaunchPlan, default_python
 
 
@@ -22,7 +24,8 @@ def build_plan(
     probe: bool = False,
     check_paths: bool = True,
 ) -> LaunchPlan:
-    """Compose, resolve paths, validate (recipe rules + launch rules); raises ValidationError/RecipeError."""
+    """Compose, resolve paths, validate (recipe, input and launch rules, reported together); raises
+    ValidationError/RecipeError."""
     return plan_for(compose_recipe(recipe, overrides), recipe, overrides, probe=probe, check_paths=check_paths)
 
 
@@ -30,7 +33,7 @@ def plan_for(cfg: RunConfig, recipe: str, overrides: Sequence[str] = (), *, prob
              check_paths: bool = True) -> LaunchPlan:
     """``build_plan`` for a config already composed (``recipe``/``overrides`` are echoed in the script)."""
     cfg.run.dir = os.path.abspath(os.path.expanduser(cfg.run.dir))
-    checks.validate_for_launch(cfg, recipe=recipe, check_paths=check_paths)
+    validate_or_raise(cfg, recipe, rules=select(("recipe", "input", "launch")), host=Host(check_paths=check_paths))
     mounts = container.parse_mounts(cfg.cluster.container_mounts) if cfg.cluster.container_image else []
     return LaunchPlan(
         cfg=cfg,

@@ -13,13 +13,9 @@ from typing import List
 import torch
 
 from megatron_recipes.config import derived
-from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.models.transformer_config import params_dtype
 from megatron_recipes.runtime import patches
-
-_DECAY_STYLES = ("cosine", "linear", "constant")
-
 
 # parallel.sharding -> Megatron-FSDP's DistributedDataParallelConfig.data_parallel_sharding_strategy
 # ('optim' | 'optim_grads' | 'optim_grads_params', megatron-core 0.16 distributed_data_parallel_config.py).
@@ -126,15 +122,10 @@ def optimizer_config(cfg: RunConfig):
     """
     from megatron.core.optimizer import OptimizerConfig
 
+    from megatron_recipes.config.validate import require
+
+    require(cfg, "optimizer.name", "optimizer.distributed_needs_adam")
     o, prec = cfg.optimizer, cfg.precision
-    if o.name not in ("adam", "sgd"):
-        raise RecipeError(f"optimizer.name={o.name!r} is not supported", fix="use optimizer=adam or optimizer=sgd")
-    if o.name == "sgd" and o.use_distributed_optimizer:
-        raise RecipeError(
-            "optimizer.name=sgd with optimizer.use_distributed_optimizer=true: megatron-core's distributed "
-            "optimizer shards Adam state only",
-            fix="set optimizer.use_distributed_optimizer=false (or use optimizer=adam)",
-        )
     return OptimizerConfig(
         optimizer=o.name,
         lr=o.lr,
@@ -172,11 +163,10 @@ def build_scheduler(cfg: RunConfig, optimizer):
     """Warm-up then cosine/linear/constant decay, counted in optimizer steps (not samples)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from megatron_recipes.config.validate import require
+
+    require(cfg, "optimizer.schedule")
     o = cfg.optimizer
-    if o.lr_decay_style not in _DECAY_STYLES:
-        raise RecipeError(
-            f"optimizer.lr_decay_style={o.lr_decay_style!r} is not supported", fix=f"use one of {', '.join(_DECAY_STYLES)}"
-        )
     warmup = derived.lr_warmup_iters(cfg)
     decay = max(derived.lr_decay_iters(cfg), warmup + 1)
     return OptimizerParamScheduler(
