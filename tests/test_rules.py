@@ -1,19 +1,21 @@
 """Every validation rule has a recipe that breaks it and a nearby recipe that passes every rule.
 
-Cases are composed through Hydra (the way users write them), validated, and checked by rule id. A rule
-added to the table without a case here fails ``test_every_rule_has_a_case``.
+Cases are composed through Hydra (the way users write them), validated with the recipe and input rules
+plus the rules of the case's own scope (a launch case is judged as `slurm` would judge it), and checked by
+rule id. A rule added to the table without a case here fails ``test_every_rule_has_a_case``.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
 
 from megatron_recipes.config.compose import compose_recipe
 from megatron_recipes.config.errors import ValidationError
-from megatron_recipes.config.rules import RULES, rules_by_id
+from megatron_recipes.config.rules import RULES, Host, rules_by_id, select
 from megatron_recipes.config.validate import validate, validate_or_raise
 
 TINY = "tiny_llama_cpu"  # CPU lane, TP2 over 2 ranks, fp32, built-in data
@@ -29,6 +31,9 @@ FS = ("parallel=none", "parallel.fsdp=true", "checkpoint.save=false", "checkpoin
 F70 = "llama3_70b_sft_fsdp"  # 2 H100 nodes, Megatron-FSDP zero3 + optimizer offload
 SFT = ("data.sft_path=train.jsonl", PT)
 L8 = "llama3_8b_pretrain"  # 1 H100 node, TP2 CP2, no recompute
+IMAGE = ("cluster.container_image='team/trainer:1.0'", "run.dir=/runs/x")  # a registry image: nothing to find here
+MOUNTED = IMAGE + ("cluster.container_mounts=['/runs']",)
+HERE = Path(__file__).resolve().parent  # an existing folder, so its top-level folder is judged on this host
 
 Case = Tuple[str, Tuple[str, ...], Tuple[str, ...]]  # recipe, failing overrides, passing overrides
 
@@ -178,13 +183,37 @@ CASES: Dict[str, Case] = {
     "offload.host_memory_known": (F70, SFT + ("cluster.host_memory_gb=0",), SFT),
     "offload.activation_layers": (L8, ("train.activation_offload_layers=32",), ("train.activation_offload_layers=8",)),
     "memory.host_fits": (F70, SFT + ("cluster.host_memory_gb=256",), SFT),
+    "slurm.account": (TINY, ("cluster.require_account=true",), ("cluster.require_account=true", "cluster.account=a", "cluster.partition=p")),
+    "slurm.time_limit": (TINY, ("cluster.time_limit=soon",), ("cluster.time_limit=04:00:00",)),
+    "slurm.preempt_signal": (TINY, ("cluster.preempt_signal=KILL",), ("cluster.preempt_signal=USR2",)),
+    "slurm.preempt_lead": (
+        TINY, ("cluster.time_limit=00:05:00", "cluster.preempt_signal_lead_s=300"),
+        ("cluster.time_limit=00:10:00", "cluster.preempt_signal_lead_s=300"),
+    ),
+    "slurm.max_restarts": (TINY, ("cluster.max_restarts=-1",), ("cluster.max_restarts=0",)),
+    "slurm.launcher": (TINY, ("cluster.launcher=mpirun",), ("cluster.launcher=pmix",)),
+    "slurm.cpus": (TINY, ("cluster.cpus_per_task=1",), ("cluster.cpus_per_task=2",)),
+    "slurm.extra_format": (TINY, ("cluster.sbatch_extra=['qos=high']",), ("cluster.sbatch_extra=['--qos=high']",)),
+    "slurm.extra_owned": (TINY, ("cluster.srun_extra=['--nodes=4']",), ("cluster.srun_extra=['--exclusive']",)),
+    "slurm.env_name": (TINY, ("+cluster.env.MY-VAR=a",), ("+cluster.env.MY_VAR=a",)),
+    "slurm.container_image": (TINY, ("cluster.container_workdir=/w",), MOUNTED + ("cluster.container_workdir=/w",)),
+    "slurm.mount_syntax": (TINY, IMAGE + ("cluster.container_mounts=['/runs,/data']",), MOUNTED),
+    "slurm.mount_source": (
+        TINY, IMAGE + (f"cluster.container_mounts=['/runs','{HERE / 'no-such-folder'}:/data']",),
+        IMAGE + (f"cluster.container_mounts=['/runs','{HERE}:/data']",),
+    ),
+    "slurm.workdir": (TINY, MOUNTED + ("cluster.container_workdir=w",), MOUNTED + ("cluster.container_workdir=/runs",)),
+    "slurm.run_dir_mounted": (TINY, IMAGE + ("cluster.container_mounts=['/data']",), MOUNTED),
+    "slurm.run_dir": (TINY, ("run.dir=runs/100%",), ("run.dir=runs/100",)),
     "memory.fits": (L70, ("parallel.tp=1", "parallel.pp=1", "parallel.vpp=null", "parallel.cp=1", "parallel.sp=false"), ()),
 }
 
 
 @lru_cache(maxsize=None)
-def _violations(recipe: str, overrides: Tuple[str, ...]) -> List[str]:
-    return [v.rule_id for v in validate(compose_recipe(recipe, list(overrides)))]
+def _violations(recipe: str, overrides: Tuple[str, ...], scope: str = "recipe") -> List[str]:
+    """Rule ids violated, judged by the recipe and input rules plus those of ``scope``."""
+    rules = select(("recipe", "input", scope))
+    return [v.rule_id for v in validate(compose_recipe(recipe, list(overrides)), rules=rules, host=Host())]
 
 
 def test_every_rule_has_a_case():
@@ -206,14 +235,14 @@ def test_rule_entries_are_complete():
 @pytest.mark.parametrize("rule_id", sorted(CASES))
 def test_rule_fails_on_its_bad_recipe(rule_id):
     recipe, bad, _ = CASES[rule_id]
-    found = _violations(recipe, bad)
+    found = _violations(recipe, bad, rules_by_id()[rule_id].scope)
     assert rule_id in found, f"{recipe} {' '.join(bad)} should violate {rule_id}; got {found}"
 
 
 @pytest.mark.parametrize("rule_id", sorted(CASES))
 def test_rule_passes_on_its_good_recipe(rule_id):
     recipe, _, good = CASES[rule_id]
-    found = _violations(recipe, good)
+    found = _violations(recipe, good, rules_by_id()[rule_id].scope)
     assert found == [], f"{recipe} {' '.join(good)} should pass every rule; got {found}"
 
 
