@@ -17,6 +17,7 @@ from megatron_recipes.config.compose import compose_recipe
 from megatron_recipes.config.errors import ValidationError
 from megatron_recipes.config.rules import RULES, Host, rules_by_id, select
 from megatron_recipes.config.validate import validate, validate_or_raise
+from megatron_recipes.models.capabilities import Machine
 
 TINY = "tiny_llama_cpu"  # CPU lane, TP2 over 2 ranks, fp32, built-in data
 MOE = ("model=tiny_moe", "parallel=none")  # on TINY: 4 experts top-2 over 2 ranks
@@ -34,8 +35,16 @@ L8 = "llama3_8b_pretrain"  # 1 H100 node, TP2 CP2, no recompute
 IMAGE = ("cluster.container_image='team/trainer:1.0'", "run.dir=/runs/x")  # a registry image: nothing to find here
 MOUNTED = IMAGE + ("cluster.container_mounts=['/runs']",)
 HERE = Path(__file__).resolve().parent  # an existing folder, so its top-level folder is judged on this host
+# Machines a machine-rule case runs on (bad side, good side); other cases are judged on CPU.
+CPU = Machine(cuda=False, transformer_engine=False, deep_ep=False, compute_capability=(0, 0))
+H100 = Machine(cuda=True, transformer_engine=True, deep_ep=False, compute_capability=(9, 0))
+H100_NO_TE = Machine(cuda=True, transformer_engine=False, deep_ep=False, compute_capability=(9, 0))
+H100_DEEP_EP = Machine(cuda=True, transformer_engine=True, deep_ep=True, compute_capability=(9, 0))
+A100 = Machine(cuda=True, transformer_engine=True, deep_ep=False, compute_capability=(8, 0))
+B200 = Machine(cuda=True, transformer_engine=True, deep_ep=False, compute_capability=(10, 0))
+PACKED = ("data.kind=sft", "data.sft_path=builtin", "data.packing=true", PT)
 
-Case = Tuple[str, Tuple[str, ...], Tuple[str, ...]]  # recipe, failing overrides, passing overrides
+Case = tuple  # recipe, failing overrides, passing overrides[, (machine failing, machine passing)]
 
 CASES: Dict[str, Case] = {
     "text.control_characters": (TINY, ("run.name='a\nb'",), ("run.name='a b $(x)'",)),
@@ -205,15 +214,32 @@ CASES: Dict[str, Case] = {
     "slurm.workdir": (TINY, MOUNTED + ("cluster.container_workdir=w",), MOUNTED + ("cluster.container_workdir=/runs",)),
     "slurm.run_dir_mounted": (TINY, IMAGE + ("cluster.container_mounts=['/data']",), MOUNTED),
     "slurm.run_dir": (TINY, ("run.dir=runs/100%",), ("run.dir=runs/100",)),
+    "machine.fp8_needs_te": (L70, ("precision=fp8_delayed",), ("precision=fp8_delayed",), (H100_NO_TE, H100)),
+    "machine.fp4_needs_te": (L70, ("precision=nvfp4",) + GB200, ("precision=nvfp4",) + GB200, (CPU, B200)),
+    "machine.cp_attention": (L70, (), ("parallel.cp_comm_type=all_gather",), (CPU, CPU)),
+    "machine.packed_thd": (TINY, PACKED + ("train.micro_batch_size=2",), PACKED + ("train.micro_batch_size=1",), (H100, H100)),
+    "machine.flex_needs_deep_ep": (MIX, ("parallel.moe_dispatcher=flex",), ("parallel.moe_dispatcher=flex",), (H100, H100_DEEP_EP)),
+    "machine.optimizer_offload": (F70, SFT, SFT, (H100_NO_TE, H100)),
+    "machine.activation_offload": (L8, ("train.activation_offload_layers=8",), ("train.activation_offload_layers=8",), (CPU, H100)),
+    "machine.fp16_needs_gpu": (TINY, ("precision.params_dtype=fp16",), ("precision.params_dtype=fp16",), (CPU, H100)),
+    "machine.fp8_compute_capability": (L70, ("precision=fp8_delayed",), ("precision=fp8_delayed",), (A100, H100)),
+    "machine.blackwell": (L70, ("precision=nvfp4",) + GB200, ("precision=nvfp4",) + GB200, (H100, B200)),
     "memory.fits": (L70, ("parallel.tp=1", "parallel.pp=1", "parallel.vpp=null", "parallel.cp=1", "parallel.sp=false"), ()),
 }
 
 
 @lru_cache(maxsize=None)
-def _violations(recipe: str, overrides: Tuple[str, ...], scope: str = "recipe") -> List[str]:
-    """Rule ids violated, judged by the recipe and input rules plus those of ``scope``."""
+def _violations(recipe: str, overrides: Tuple[str, ...], scope: str = "recipe", machine: Machine = CPU) -> List[str]:
+    """Rule ids violated, judged by the recipe and input rules plus those of ``scope`` (on ``machine``)."""
     rules = select(("recipe", "input", scope))
-    return [v.rule_id for v in validate(compose_recipe(recipe, list(overrides)), rules=rules, host=Host())]
+    return [v.rule_id for v in validate(compose_recipe(recipe, list(overrides)), rules=rules, host=Host(machine=machine))]
+
+
+def _judged(rule_id: str, side: int) -> List[str]:
+    """The violations of a case's failing (side 0) or passing (side 1) recipe."""
+    recipe, bad, good, *machines = CASES[rule_id]
+    machine = machines[0][side] if machines else CPU
+    return _violations(recipe, (bad, good)[side], rules_by_id()[rule_id].scope, machine)
 
 
 def test_every_rule_has_a_case():
@@ -234,15 +260,15 @@ def test_rule_entries_are_complete():
 
 @pytest.mark.parametrize("rule_id", sorted(CASES))
 def test_rule_fails_on_its_bad_recipe(rule_id):
-    recipe, bad, _ = CASES[rule_id]
-    found = _violations(recipe, bad, rules_by_id()[rule_id].scope)
+    recipe, bad, *_ = CASES[rule_id]
+    found = _judged(rule_id, 0)
     assert rule_id in found, f"{recipe} {' '.join(bad)} should violate {rule_id}; got {found}"
 
 
 @pytest.mark.parametrize("rule_id", sorted(CASES))
 def test_rule_passes_on_its_good_recipe(rule_id):
-    recipe, _, good = CASES[rule_id]
-    found = _violations(recipe, good, rules_by_id()[rule_id].scope)
+    recipe, _, good, *_ = CASES[rule_id]
+    found = _judged(rule_id, 1)
     assert found == [], f"{recipe} {' '.join(good)} should pass every rule; got {found}"
 
 

@@ -32,10 +32,10 @@ DEFAULT_SCOPES = ("recipe", "input")
 @dataclass(frozen=True)
 class Host:
     """What host-scoped checks may look at: whether local paths are judged, and the machine's abilities
-    (``models.capabilities.Machine``; None = detect this machine when a check needs it)."""
+    (``models.capabilities.Machine``)."""
 
     check_paths: bool = True
-    machine: Any = None
+    machine: Any = None  # required by machine rules (``capabilities`` passes the detected one)
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,8 @@ class Rule:
         return self.fix(cfg) if callable(self.fix) else self.fix
 
     def run(self, cfg: RunConfig, host: Host) -> Optional[str]:
+        if self.scope == "machine" and host.machine is None:
+            raise RuntimeError(f"rule {self.id} judges a machine: pass Host(machine=capabilities.detect())")
         return self.check(cfg, host) if self.scope in HOST_SCOPES else self.check(cfg)
 
 
