@@ -1,87 +1,169 @@
-"""Argument splitting shared by every subcommand: ``<recipe> key=value ... --flag [value]``."""
+"""Typed command-line arguments shared by every subcommand: ``<positional> key=value ... --flag [value]``.
+
+Flags and positionals go through argparse (each flag declares its type); ``key=value`` options of a
+non-recipe command are a dataclass, typed by OmegaConf, so no subcommand converts strings by hand.
+Recipe overrides stay strings: Hydra types them against the recipe schema. Every bad value is a
+``RecipeError`` naming the argument and a fix (the CLI prints it and exits 2).
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import typing
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Union
+from enum import Enum
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple, Type, TypeVar, Union
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from megatron_recipes.config.errors import RecipeError
 
-FlagValue = Union[str, bool]
+# A flag's declaration: False = a switch; True = a text value; a callable = a typed value (int, float, ...).
+FlagSpec = Union[bool, Callable[[str], Any]]
+FlagValue = Any
+T = TypeVar("T")
 
 
 @dataclass
 class Args:
     positional: List[str] = field(default_factory=list)
     overrides: List[str] = field(default_factory=list)  # key=value / group=option, in order
-    flags: Dict[str, FlagValue] = field(default_factory=dict)
+    flags: Dict[str, FlagValue] = field(default_factory=dict)  # only the flags given, typed
 
     @property
     def recipe(self) -> str:
         return self.positional[0]
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)  # ValueError: argparse names the flag and the value
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+positive_int.__name__ = "positive integer"  # argparse's message: "invalid positive integer value: '0'"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises a RecipeError (flag, value, fix) instead of printing usage and exiting."""
+
+    def __init__(self, prog: str, fix: str):
+        super().__init__(prog=prog, add_help=False, allow_abbrev=False)
+        self.fix = fix
+
+    def error(self, message: str):  # type: ignore[override]
+        raise RecipeError(f"{self.prog}: {message}", fix=self.fix)
+
+
+def _flag_fix(flags: Mapping[str, FlagSpec]) -> str:
+    known = ", ".join(f"--{f}" + ("" if spec is False else " <value>") for f, spec in flags.items()) or "none"
+    return f"accepted flags: {known}; overrides are key=value (e.g. parallel.tp=2)"
+
+
 def split_args(
     argv: Sequence[str],
     prog: str,
-    flags: Mapping[str, bool] = {},
+    flags: Mapping[str, FlagSpec] = {},
     positional: Sequence[str] = ("recipe",),
     optional_positional: int = 0,
 ) -> Args:
-    """Split argv. ``flags`` maps flag name (without --) to whether it takes a value.
-
-    Unknown flags and missing positionals raise RecipeError naming the accepted ones.
-    """
-    out = Args()
+    """Split argv: flags (``flags`` maps name without -- to its declaration) and positionals through
+    argparse, ``key=value`` items kept in order. Unknown flags, bad flag values and missing positionals
+    raise RecipeError naming the accepted ones."""
+    parser = _Parser(prog, _flag_fix(flags))
+    for name, spec in flags.items():
+        if spec is False:
+            parser.add_argument(f"--{name}", action="store_true", default=None)
+        else:
+            parser.add_argument(f"--{name}", type=str if spec is True else spec, default=None)
+    parser.add_argument("positional", nargs="*")
+    takes_value = {f"--{name}" for name, spec in flags.items() if spec is not False}
+    rest: List[str] = []
+    overrides: List[str] = []
     items = list(argv)
     i = 0
     while i < len(items):
         item = items[i]
-        if item.startswith("--"):
-            name, eq, value = item[2:].partition("=")
-            if name not in flags:
-                known = ", ".join(f"--{f}" for f in flags) or "none"
-                raise RecipeError(f"{prog}: unknown flag '--{name}'", fix=f"accepted flags: {known}")
-            if flags[name]:
-                if not eq:
-                    if i + 1 >= len(items):
-                        raise RecipeError(f"{prog}: flag '--{name}' needs a value", fix=f"--{name} <value>")
-                    i += 1
-                    value = items[i]
-                out.flags[name] = value
-            else:
-                if eq:
-                    raise RecipeError(f"{prog}: flag '--{name}' takes no value", fix=f"write just --{name}")
-                out.flags[name] = True
-        elif "=" in item:
-            out.overrides.append(item)
-        else:
-            out.positional.append(item)
+        if item in takes_value and i + 1 < len(items):  # "--out path": the value may hold '='
+            rest += [item, items[i + 1]]
+            i += 2
+            continue
+        (overrides if "=" in item and not item.startswith("-") else rest).append(item)
         i += 1
+    for item in rest:  # argparse would read an unknown --x=1 as a positional after "--"
+        if item.startswith("--") and item.split("=", 1)[0] not in {f"--{n}" for n in flags}:
+            parser.error(f"unknown flag '{item.split('=', 1)[0]}'")
+    ns = parser.parse_intermixed_args(rest)
+    found = {name: getattr(ns, name.replace("-", "_")) for name in flags}
+    out = Args(positional=list(ns.positional), overrides=overrides, flags={k: v for k, v in found.items() if v is not None})
     need = len(positional) - optional_positional
+    names = " ".join(f"<{p}>" for p in positional)
     if len(out.positional) < need:
-        names = " ".join(f"<{p}>" for p in positional)
         raise RecipeError(f"{prog}: missing {positional[len(out.positional)]}", fix=f"usage: {prog} {names} [key=value ...]")
     if len(out.positional) > len(positional):
         extra = out.positional[len(positional)]
-        raise RecipeError(
-            f"{prog}: unexpected argument '{extra}'",
-            fix="overrides are key=value (e.g. parallel.tp=2); flags start with --",
-        )
+        raise RecipeError(f"{prog}: unexpected argument '{extra}'",
+                          fix="overrides are key=value (e.g. parallel.tp=2); flags start with --")
     return out
 
 
-def kv_options(overrides: Sequence[str], prog: str, allowed: Mapping[str, Optional[str]]) -> Dict[str, str]:
-    """Parse ``key=value`` options of a non-recipe command. ``allowed`` maps key -> default (None = required)."""
-    values: Dict[str, str] = {}
+def _kind(tp: Any) -> Tuple[str, str, bool]:
+    """(what a value of this field type is, an example, whether it may be null)."""
+    args = typing.get_args(tp)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), tp) if args else tp
+    if isinstance(base, type) and issubclass(base, Enum):
+        names = [m.name for m in base]
+        return f"one of {', '.join(names)}", names[0], optional
+    kinds = {int: ("an integer", "2"), float: ("a number", "0.5"), bool: ("a boolean", "true"), str: ("text", "...")}
+    kind, example = kinds.get(base, (str(base), "..."))
+    return kind, example, optional
+
+
+def _fields(cls: type, prefix: str = "") -> Dict[str, Tuple[dataclasses.Field, Any]]:
+    """Dotted key -> (field, its resolved type), through nested dataclasses (``parallel.tp``)."""
+    hints = typing.get_type_hints(cls)
+    out: Dict[str, Tuple[dataclasses.Field, Any]] = {}
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(_fields(tp, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = (f, tp)
+    return out
+
+
+def options(overrides: Sequence[str], prog: str, cls: Type[T]) -> T:
+    """``key=value`` options of a non-recipe command -> a ``cls`` instance, typed by OmegaConf.
+
+    ``cls`` is a dataclass: fields without a default (``MISSING``) are required, ``Optional`` fields take
+    ``null``, and ``field(metadata={"min": n})`` bounds a number.
+    """
+    known = _fields(cls)
+    conf = OmegaConf.structured(cls)
+    accepted = ", ".join(f"{k}=" for k in known)
     for ov in overrides:
         key, _, value = ov.partition("=")
-        if key not in allowed:
-            raise RecipeError(f"{prog}: unknown option '{key}'", fix=f"accepted: {', '.join(f'{k}=' for k in allowed)}")
-        values[key] = value
-    for key, default in allowed.items():
-        if key not in values:
-            if default is None:
-                raise RecipeError(f"{prog}: missing required option '{key}='", fix=f"add {key}=<value>")
-            values[key] = default
-    return values
+        if key not in known:
+            raise RecipeError(f"{prog}: unknown option '{key}'", fix=f"accepted: {accepted}")
+        kind, example, optional = _kind(known[key][1])
+        typed: Any = None if optional and value.strip().lower() in ("", "null", "none") else value
+        try:
+            OmegaConf.update(conf, key, typed, merge=False)
+        except OmegaConfBaseException:
+            raise RecipeError(f"{prog}: {key}={value} is not {kind}", fix=f"e.g. {key}={example}") from None
+    for key in OmegaConf.missing_keys(conf):
+        raise RecipeError(f"{prog}: missing required option '{key}='", fix=f"add {key}=<value>")
+    for key, (f, _) in known.items():
+        minimum = f.metadata.get("min")
+        value = OmegaConf.select(conf, key)
+        if minimum is not None and value is not None and value < minimum:
+            raise RecipeError(f"{prog}: {key}={value} must be >= {minimum}", fix=f"e.g. {key}={max(minimum, 1)}")
+    return OmegaConf.to_object(conf)  # type: ignore[return-value]
+
+
+__all__ = ["Args", "MISSING", "options", "positive_int", "split_args"]
