@@ -150,7 +150,7 @@ def test_export_errors(env):
         ],
     )[0]
     assert "not from a PEFT run" in errors[0]
-    assert "adapter_only='maybe'" in errors[1]
+    assert "adapter_only=maybe" in errors[1]
     assert "already exists" in errors[2]
     assert not (root / "x1").exists() and not (root / "x2").exists()
 

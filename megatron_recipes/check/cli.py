@@ -20,7 +20,7 @@ from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
 
 PROG = "megatron-recipes check"
-FLAGS = {"max-ranks": True, "dir": True, "steps": True, "rtol": True, "timeout": True, "full-depth": False}
+FLAGS = {"max-ranks": int, "dir": True, "steps": int, "rtol": float, "timeout": int, "full-depth": False}
 # Adam as SGD: beta1=0 and eps=1e4 make lr*g/(sqrt(v)+eps) equal to (lr/eps)*g within 1e-5, so float32
 # rounding is added, not amplified (Adam's m/sqrt(v) would blow it up), through the recipe's own optimizer
 # class (the distributed optimizer when the recipe uses it). clip_grad huge: the norm is computed
@@ -92,14 +92,6 @@ def _validated(recipe: str, overrides: Sequence[str], what: str) -> RunConfig:
     return cfg
 
 
-def _int_flag(args, name: str, default: int) -> int:
-    value = args.flags.get(name, default)
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise RecipeError(f"{PROG}: --{name}={value} is not an integer", fix=f"--{name} {default}") from None
-
-
 def plan_runs(recipe: str, user: Sequence[str], max_ranks: int, steps: int, stop: int, out: Optional[Path] = None,
               full_depth: bool = False):
     """(recipe cfg, Shrunk, per-run overrides, notes): everything decided before a process starts.
@@ -146,9 +138,8 @@ def main(argv: List[str]) -> int:
         print(f"usage: {PROG} <recipe> [key=value ...] [--max-ranks 8] [--steps 6] [--rtol 1e-5] [--dir DIR] [--full-depth]\n\n{__doc__}")
         return 0
     args = split_args(argv, PROG, FLAGS)
-    max_ranks, steps = _int_flag(args, "max-ranks", 8), _int_flag(args, "steps", 6)
-    timeout = _int_flag(args, "timeout", 900)
-    rtol = float(args.flags.get("rtol", 1e-5))
+    max_ranks, steps = args.flags.get("max-ranks", 8), args.flags.get("steps", 6)
+    timeout, rtol = args.flags.get("timeout", 900), args.flags.get("rtol", 1e-5)
     if steps < 3:
         raise RecipeError(f"{PROG}: --steps={steps} is too few", fix="use --steps 3 or more (the reshard resumes before the last two)")
     stop = steps - 2

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
-from megatron_recipes.cli_args import kv_options, split_args
+from megatron_recipes.cli_args import MISSING, options, split_args
 from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.convert.layout import DTYPES
 
 PROG = "megatron-recipes convert"
 ACTIONS = ("import", "export", "verify")
@@ -30,13 +33,61 @@ _FLAGS = {"verify": False, "no-verify": False, "overwrite": False, "quiet": Fals
           "trust-checkpoint": False}
 
 
-def _options(overrides: List[str], prog: str, allowed: Dict[str, Optional[str]]):
-    """kv options plus ``parallel.*`` layout options (returned separately)."""
-    from megatron_recipes.convert.layout import parse_parallel
+Dtype = Enum("Dtype", {name: name for name in DTYPES})  # the dtypes a conversion writes
 
-    parallel = {o.partition("=")[0]: o.partition("=")[2] for o in overrides if o.startswith("parallel.")}
-    rest = [o for o in overrides if not o.startswith("parallel.")]
-    return kv_options(rest, prog, allowed), (parse_parallel(parallel, prog) if parallel else None)
+
+@dataclass
+class Layout:
+    """``parallel.*`` options: a target layout (unset degrees keep ``ParallelConfig``'s defaults)."""
+
+    tp: Optional[int] = field(default=None, metadata={"min": 1})
+    pp: Optional[int] = field(default=None, metadata={"min": 1})
+    ep: Optional[int] = field(default=None, metadata={"min": 1})
+    etp: Optional[int] = field(default=None, metadata={"min": 1})
+    vpp: Optional[int] = field(default=None, metadata={"min": 1})
+
+    def parallel(self):
+        """The ParallelConfig these options give, or None when none was set."""
+        from megatron_recipes.config.schema import ParallelConfig
+
+        given = {k: v for k, v in asdict(self).items() if v is not None}
+        return ParallelConfig(**given) if given else None
+
+
+@dataclass
+class ImportOptions:
+    hf_dir: str = MISSING
+    out_dir: str = MISSING
+    dtype: Optional[Dtype] = None
+    parallel: Layout = field(default_factory=Layout)
+
+
+@dataclass
+class ExportOptions:
+    ckpt_dir: str = MISSING
+    hf_dir: str = MISSING
+    dtype: Optional[Dtype] = None
+    hf_assets: Optional[str] = None
+    max_shard_gb: Optional[float] = None
+    adapter_only: bool = False
+
+
+@dataclass
+class VerifyOptions:
+    hf_dir: str = MISSING
+    ckpt_dir: str = MISSING
+    tolerance: float = field(default_factory=lambda: _default_tolerance())
+    parallel: Layout = field(default_factory=Layout)
+
+
+def _default_tolerance() -> float:
+    from megatron_recipes.convert.verify import TOLERANCE  # imports torch: only when verify runs
+
+    return TOLERANCE
+
+
+def _dtype(value: Optional[Dtype]) -> Optional[str]:
+    return value.value if value is not None else None
 
 
 def _should_verify(flags, params: int) -> bool:
@@ -59,13 +110,12 @@ def _import(overrides: List[str], flags) -> int:
     from megatron_recipes.convert.importer import run_import, train_command
     from megatron_recipes.convert.verify import run_verify
 
-    prog = f"{PROG} import"
-    opts, parallel = _options(overrides, prog, {"hf_dir": None, "out_dir": None, "dtype": ""})
+    opts = options(overrides, f"{PROG} import", ImportOptions)
     report = run_import(
-        Path(opts["hf_dir"]),
-        Path(opts["out_dir"]),
-        parallel or ParallelConfig(),
-        dtype=opts["dtype"] or None,
+        Path(opts.hf_dir),
+        Path(opts.out_dir),
+        opts.parallel.parallel() or ParallelConfig(),
+        dtype=_dtype(opts.dtype),
         overwrite=bool(flags.get("overwrite")),
         progress=not flags.get("quiet"),
     )
@@ -76,7 +126,7 @@ def _import(overrides: List[str], flags) -> int:
     print(f"  {train_command(report.out_dir, report.cfg.model.name)}")
     params = report.bytes_written // (2 if report.cfg.precision.params_dtype == "bf16" else 4)
     if _should_verify(flags, params):
-        run_verify(Path(opts["hf_dir"]), report.checkpoint)
+        run_verify(Path(opts.hf_dir), report.checkpoint)
     return 0
 
 
@@ -85,48 +135,36 @@ def _export(overrides: List[str], flags) -> int:
     from megatron_recipes.convert.verify import run_verify
 
     prog = f"{PROG} export"
-    opts, parallel = _options(
-        overrides, prog, {"ckpt_dir": None, "hf_dir": None, "dtype": "", "hf_assets": "", "max_shard_gb": "", "adapter_only": "false"}
-    )
-    if parallel is not None:
+    if any(o.startswith("parallel.") for o in overrides):
         raise RecipeError(f"{prog}: export reads any layout; parallel.* options do not apply", fix="drop them")
-    try:
-        shard = int(float(opts["max_shard_gb"]) * (1 << 30)) if opts["max_shard_gb"] else DEFAULT_MAX_SHARD
-    except ValueError:
-        raise RecipeError(f"{prog}: max_shard_gb={opts['max_shard_gb']!r} is not a number", fix="e.g. max_shard_gb=5") from None
-    if opts["dtype"] and opts["dtype"] not in ("bf16", "fp32"):
-        raise RecipeError(f"{prog}: dtype={opts['dtype']} is not supported", fix="use bf16 or fp32")
+    opts = options(overrides, prog, ExportOptions)
+    shard = int(opts.max_shard_gb * (1 << 30)) if opts.max_shard_gb else DEFAULT_MAX_SHARD
     from megatron_recipes.peft import export as peft_export  # PEFT checkpoints hold adapters: base + adapters rebuilt
 
-    adapter_only = peft_export.parse_adapter_only(opts["adapter_only"])
-    if adapter_only or peft_export.is_peft_checkpoint(Path(opts["ckpt_dir"])):
-        return peft_export.cli_export(opts, flags, adapter_only, shard)
+    if opts.adapter_only or peft_export.is_peft_checkpoint(Path(opts.ckpt_dir)):
+        paths = {"ckpt_dir": opts.ckpt_dir, "hf_dir": opts.hf_dir, "hf_assets": opts.hf_assets, "dtype": _dtype(opts.dtype)}
+        return peft_export.cli_export(paths, flags, opts.adapter_only, shard)
     report = run_export(
-        Path(opts["ckpt_dir"]),
-        Path(opts["hf_dir"]),
+        Path(opts.ckpt_dir),
+        Path(opts.hf_dir),
         overwrite=bool(flags.get("overwrite")),
-        hf_assets=Path(opts["hf_assets"]) if opts["hf_assets"] else None,
-        dtype=opts["dtype"] or None,
+        hf_assets=Path(opts.hf_assets) if opts.hf_assets else None,
+        dtype=_dtype(opts.dtype),
         max_shard_bytes=shard,
         progress=not flags.get("quiet"),
     )
     print(report.summary())
     params = report.bytes_written // 2
     if _should_verify(flags, params):
-        run_verify(report.hf_dir, Path(opts["ckpt_dir"]))
+        run_verify(report.hf_dir, Path(opts.ckpt_dir))
     return 0
 
 
 def _verify(overrides: List[str], flags) -> int:
-    from megatron_recipes.convert.verify import TOLERANCE, run_verify
+    from megatron_recipes.convert.verify import run_verify
 
-    prog = f"{PROG} verify"
-    opts, parallel = _options(overrides, prog, {"hf_dir": None, "ckpt_dir": None, "tolerance": str(TOLERANCE)})
-    try:
-        tolerance = float(opts["tolerance"])
-    except ValueError:
-        raise RecipeError(f"{prog}: tolerance={opts['tolerance']!r} is not a number", fix="e.g. tolerance=1e-4") from None
-    run_verify(Path(opts["hf_dir"]), Path(opts["ckpt_dir"]), parallel, tolerance)
+    opts = options(overrides, f"{PROG} verify", VerifyOptions)
+    run_verify(Path(opts.hf_dir), Path(opts.ckpt_dir), opts.parallel.parallel(), opts.tolerance)
     return 0
 
 

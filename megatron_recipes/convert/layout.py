@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.errors import RecipeError
@@ -25,28 +25,6 @@ from megatron_recipes.config.schema import (
 )
 
 DTYPES = ("bf16", "fp32")
-PARALLEL_KEYS = ("tp", "pp", "ep", "etp", "vpp")
-
-
-def parse_parallel(options: Dict[str, str], prog: str) -> ParallelConfig:
-    """``parallel.tp=2 parallel.pp=2 ...`` -> ParallelConfig (unset keys keep the schema defaults)."""
-    values: Dict[str, Optional[int]] = {}
-    for key, raw in options.items():
-        name = key.split(".", 1)[1]
-        if name not in PARALLEL_KEYS:
-            raise RecipeError(f"{prog}: unknown option '{key}'", fix=f"layout options: {', '.join('parallel.' + k for k in PARALLEL_KEYS)}")
-        if raw.lower() in ("null", "none", ""):
-            values[name] = None
-            continue
-        try:
-            values[name] = int(raw)
-        except ValueError:
-            raise RecipeError(f"{prog}: {key}={raw!r} is not an integer", fix=f"e.g. {key}=2") from None
-        if values[name] < 1:
-            raise RecipeError(f"{prog}: {key}={raw} must be >= 1 (a parallel degree)", fix=f"e.g. {key}=2, or leave it out for 1")
-    return ParallelConfig(**values)
-
-
 def min_world_size(parallel: ParallelConfig) -> int:
     """The fewest ranks that hold a layout: tp*pp*cp*dp with dp the least making tp*cp*dp a multiple of etp*ep."""
     etp = parallel.etp if parallel.etp is not None else parallel.tp

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import List
+from dataclasses import dataclass, field
+from typing import List, Optional
 
-from megatron_recipes.cli_args import kv_options, split_args
-from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.cli_args import MISSING, options, split_args
+from megatron_recipes.config.schema import DataConfig
 
 USAGE = """usage:
   megatron-recipes data preprocess input=<files|globs|folder> output_prefix=<path> tokenizer=<dir|builtin>
@@ -17,55 +18,48 @@ USAGE = """usage:
   megatron-recipes data build-index <recipe> [overrides]   precompute index caches into data.cache_dir
   megatron-recipes data builtin [data.cache_dir=...]       build (or find) the built-in corpus"""
 
-_PREPROCESS_OPTIONS = {
-    "input": None,
-    "output_prefix": None,
-    "tokenizer": None,
-    "text_key": "text",
-    "workers": "0",
-    "append_eod": "true",
-    "dtype": "auto",
-    "split": "",
-    "add_special_tokens": "false",
-    "batch_size": "1000",
-}
+@dataclass
+class PreprocessOptions:
+    input: str = MISSING
+    output_prefix: str = MISSING
+    tokenizer: str = MISSING
+    text_key: str = "text"
+    workers: int = field(default=0, metadata={"min": 0})  # 0: one per core
+    append_eod: bool = True
+    dtype: str = "auto"
+    split: Optional[str] = None
+    add_special_tokens: bool = False
+    batch_size: int = field(default=1000, metadata={"min": 1})
 
 
-def _bool(name: str, value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise RecipeError(f"{name}={value} is not a boolean", fix=f"{name}=true or {name}=false")
+@dataclass
+class BuiltinData:
+    cache_dir: Optional[str] = None
+    builtin_max_files: int = field(default=DataConfig.builtin_max_files, metadata={"min": 1})
+    builtin_vocab_size: int = field(default=DataConfig.builtin_vocab_size, metadata={"min": 260})
 
 
-def _int(name: str, value: str, minimum: int) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = minimum - 1
-    if number < minimum:
-        raise RecipeError(f"{name}={value} is not an integer >= {minimum}", fix=f"e.g. {name}={max(minimum, 1)}")
-    return number
+@dataclass
+class BuiltinOptions:
+    data: BuiltinData = field(default_factory=BuiltinData)
 
 
 def _preprocess(argv: List[str]) -> int:
     from megatron_recipes.data.preprocess import preprocess, print_summary
 
     args = split_args(argv, "megatron-recipes data preprocess", flags={"quiet": False, "json": False, "overwrite": False}, positional=())
-    opts = kv_options(args.overrides, "megatron-recipes data preprocess", _PREPROCESS_OPTIONS)
+    opts = options(args.overrides, "megatron-recipes data preprocess", PreprocessOptions)
     summary = preprocess(
-        input_spec=opts["input"],
-        output_prefix=opts["output_prefix"],
-        tokenizer=opts["tokenizer"],
-        text_key=opts["text_key"],
-        workers=_int("workers", opts["workers"], 0) or None,
-        append_eod=_bool("append_eod", opts["append_eod"]),
-        dtype=opts["dtype"],
-        split=opts["split"] or None,
-        add_special_tokens=_bool("add_special_tokens", opts["add_special_tokens"]),
-        batch_size=_int("batch_size", opts["batch_size"], 1),
+        input_spec=opts.input,
+        output_prefix=opts.output_prefix,
+        tokenizer=opts.tokenizer,
+        text_key=opts.text_key,
+        workers=opts.workers or None,
+        append_eod=opts.append_eod,
+        dtype=opts.dtype,
+        split=opts.split or None,
+        add_special_tokens=opts.add_special_tokens,
+        batch_size=opts.batch_size,
         show_progress=not args.flags.get("quiet"),
         overwrite=bool(args.flags.get("overwrite")),
     )
@@ -88,18 +82,15 @@ def _build_index(argv: List[str]) -> int:
 
 
 def _builtin(argv: List[str]) -> int:
-    from megatron_recipes.config.schema import DataConfig
     from megatron_recipes.data.builtin import builtin_data_for, describe
 
-    allowed = {"data.cache_dir": "", "data.builtin_max_files": str(DataConfig.builtin_max_files),
-               "data.builtin_vocab_size": str(DataConfig.builtin_vocab_size)}
     args = split_args(argv, "megatron-recipes data builtin", positional=())
-    opts = kv_options(args.overrides, "megatron-recipes data builtin", allowed)
+    opts = options(args.overrides, "megatron-recipes data builtin", BuiltinOptions).data
     data = DataConfig(
         kind="builtin",
-        cache_dir=opts["data.cache_dir"] or None,
-        builtin_max_files=_int("data.builtin_max_files", opts["data.builtin_max_files"], 1),
-        builtin_vocab_size=_int("data.builtin_vocab_size", opts["data.builtin_vocab_size"], 260),
+        cache_dir=opts.cache_dir or None,
+        builtin_max_files=opts.builtin_max_files,
+        builtin_vocab_size=opts.builtin_vocab_size,
     )
     print(describe(builtin_data_for(data)))
     return 0

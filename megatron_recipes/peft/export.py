@@ -365,10 +365,3 @@ def _should_verify(ckpt: Path, flags: Dict[str, object]) -> bool:
         return bool(flags.get("verify"))
     _, cfg, _ = run_config_of(ckpt)
     return model_params(_single_rank(cfg)).total <= SMALL_MODEL_PARAMS
-
-
-def parse_adapter_only(value: str) -> bool:
-    lowered = str(value).strip().lower()
-    if lowered not in ("true", "false", "1", "0", "yes", "no", ""):
-        raise RecipeError(f"adapter_only={value!r} is not a boolean", fix="use adapter_only=true or adapter_only=false")
-    return lowered in ("true", "1", "yes")

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from rich.console import Console
 
-from megatron_recipes.cli_args import split_args
+from megatron_recipes.cli_args import positive_int, split_args
 from megatron_recipes.config.compose import compose_recipe, to_yaml
 from megatron_recipes.config.errors import RecipeError, ValidationError
 from megatron_recipes.config.schema import RunConfig
@@ -23,22 +23,13 @@ from megatron_recipes.config.validate import validate
 from megatron_recipes.plan.search import INPUT_RULES, PLAN_RULES  # `plan` names the rules it did not check
 
 PROG = "megatron-recipes plan"
-FLAGS = {"search": False, "picture": True, "show-config": False, "json": False, "all-groups": False, "top": True, "rules": False}
+FLAGS = {"search": False, "picture": True, "show-config": False, "json": False, "all-groups": False, "top": positive_int,
+         "rules": False}
 MEMORY_RULE = "memory.fits"
 
 
 def _console() -> Console:
     return Console(width=None if sys.stdout.isatty() else 160, highlight=False)
-
-
-def _top(value) -> int:
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        n = 0
-    if n < 1:
-        raise RecipeError(f"{PROG}: --top {value!r} is not a positive integer", fix="e.g. --top 5")
-    return n
 
 
 def run_search(cfg: RunConfig, recipe: str, overrides: Sequence[str], top: int, as_json: bool, console: Console) -> int:
@@ -96,7 +87,7 @@ def main(argv: Sequence[str]) -> int:
     if args.flags.get("show-config") and not as_json:
         console.print(to_yaml(cfg), markup=False)
     if args.flags.get("search"):
-        return run_search(cfg, recipe, args.overrides, _top(args.flags.get("top", 5)), as_json, console)
+        return run_search(cfg, recipe, args.overrides, args.flags.get("top", 5), as_json, console)
 
     violations = validate(cfg, rules=PLAN_RULES)
     blocking = [v for v in violations if v.rule_id != MEMORY_RULE]
