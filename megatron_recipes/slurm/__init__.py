@@ -3,9 +3,9 @@
 The recipe already knows the nodes, GPUs per node, container and layout, so the script is generated
 from it rather than hand-written. ``megatron-recipes slurm render|submit <recipe> [overrides]``.
 
-Module map: ``plan`` (recipe -> validated ``LaunchPlan``), ``checks`` (Slurm's value syntax; the cluster
-settings themselves are judged by the rule table's ``launch`` scope, config/rules_launch.py), ``container`` (pyxis flags, mounts, host <-> container paths),
-``environment`` (NCCL/CUDA variables and why), ``commands`` (the srun/torchrun command lines, shared
+Module map: ``launch_plan`` (recipe -> validated ``LaunchPlan``), ``checks`` (Slurm's value syntax; the
+settings are judged by the rule table's ``launch`` scope, config/rules_launch.py), ``container`` (pyxis
+flags, mounts, host <-> container paths), ``environment`` (NCCL/CUDA variables and why), ``commands`` (the srun/torchrun command lines, shared
 with the in-container entry ``megatron_recipes._launch.entry``), ``dryrun`` (prints them per node, via
 that entry's own code), ``script`` (the sbatch text), ``submit`` (sbatch), ``cli``, ``probe`` (an
 all-reduce smoke test). Preemption on the trainer's side: ``megatron_recipes.training.preemption``.
