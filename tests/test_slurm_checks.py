@@ -132,6 +132,13 @@ def test_every_problem_is_reported_together(tmp_path):
     assert {"slurm.account", "slurm.launcher", "slurm.time_limit"} <= _rules(info.value)
 
 
+def test_recipe_and_launch_rules_are_reported_in_one_pass(tmp_path):
+    """One ValidationError lists the recipe's own broken rules and the Slurm ones together."""
+    with pytest.raises(ValidationError) as info:
+        build_plan("tiny_llama_cpu", cpu_overrides(tmp_path, "optimizer.min_lr=1.0", "cluster.launcher=x"))
+    assert {"optimizer.learning_rate", "slurm.launcher"} <= _rules(info.value)
+
+
 def test_cli_writes_nothing_on_bad_input(tmp_path, capsys):
     out = tmp_path / "job.sbatch"
     with pytest.raises(RecipeError):
