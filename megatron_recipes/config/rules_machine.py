@@ -3,8 +3,8 @@
 The recipe rules judge a recipe against the cluster it declares; these judge it against the machine it
 is actually running on (``host.machine``: GPU, Transformer Engine, DeepEP, compute capability, as
 ``models.capabilities.detect`` finds them). A setting that cannot be honoured here is an error, never a
-silent downgrade (a run that trains something other than its recipe is worse than none). `train` and `check` run them through
-``capabilities.require_supported``.
+silent downgrade (a run that trains something other than its recipe is worse than none). `train` and
+`check` run them through ``capabilities.require_supported``.
 """
 
 from __future__ import annotations
