@@ -113,3 +113,14 @@ def test_context_parallel_layout_runs_all_gather_and_says_so(recipe):
         assert "multi-latent attention" in context_parallel_unproven(layout)
     else:
         assert context_parallel_unproven(layout) is None
+
+
+@pytest.mark.parametrize("recipe", ["tiny_llama_lora", "llama3_8b_lora"])
+def test_adapter_dropout_is_off_in_both_runs(recipe):
+    # Dropout masks are drawn per layout (a TP rank draws its shard's from its own stream): with them on,
+    # a correct TP2 layout parts from one rank at step 1 (what check once reported as TRAINS WRONG).
+    cfg, _, planned, notes, _ = plan_runs(recipe, [], 8, 6, 4)
+    assert cfg.peft.dropout > 0
+    for name in ("layout", "reference"):
+        assert compose_recipe(recipe, planned[name]).peft.dropout == 0.0, name
+    assert any(n.startswith(f"adapter dropout {cfg.peft.dropout:g} -> 0") for n in notes)
