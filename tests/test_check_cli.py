@@ -40,6 +40,7 @@ def test_tiny_lora_tp2_is_proven(tmp_path, cache):
     assert code == 0, out
     assert "verdict: PROVEN" in out and "TP2 PP1 CP1 DP1" in out and "resumed on one rank" in out
     assert "adapter dropout 0.05 -> 0" in out  # the recipe's dropout is off in both runs, and said
+    assert "  layout: done, 4 steps" in out  # each phase's progress (a plain line off a terminal)
 
 
 def test_wrong_pipeline_split_trains_wrong_at_step_1(tmp_path, cache):
