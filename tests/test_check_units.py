@@ -152,3 +152,13 @@ def test_a_run_shows_its_steps_while_it_goes(tmp_path):
     assert any("3 / 3 steps" in line for line in lines) and any(" 1 / 3 steps" in line for line in lines), lines
     assert lines[-1].startswith("  layout: done, 3 steps"), lines
     assert runs.steps_logged(tmp_path / "nothing") == 0
+
+
+def test_tolerance_grows_with_the_steps_rounding_has_had_to_add_up():
+    # 1.5e-5: over one step's rounding at step 1, within five steps' at step 5 (a deep layout's resumed steps)
+    early = compare.Series("grad_norm", [1.0 + 1.5e-5, 1.0], [1.0, 1.0])
+    late = compare.Series("grad_norm", [1.0, 1.0 + 1.5e-5], [1.0, 1.0], first_step=4)
+    v = compare.judge([early], 1e-5)
+    assert not v.equal and v.first_diverging_step == 1 and "1 x 1e-05" in v.reason
+    assert compare.judge([late], 1e-5).equal
+    assert not compare.judge([late], 2e-6).equal
