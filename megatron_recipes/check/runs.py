@@ -78,7 +78,7 @@ def wait(proc: subprocess.Popen, run_dir: Path, timeout: float, bar: Progress, p
 def train(name: str, recipe: str, overrides: Sequence[str], run_dir: Path, timeout: float, steps: int = 0,
           progress: bool = True) -> RunResult:
     """Run the trainer with ``overrides`` (later ones win) into ``run_dir``; output to ``<run_dir>.log``.
-    While it runs, a progress bar (a line every 10 s off a terminal) counts its ``steps``."""
+    While it runs, a progress bar (a line every 10 s off a terminal) counts its ``steps`` (none for 0)."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     cmd: List[str] = [sys.executable, "-m", "megatron_recipes.train", recipe, *overrides, f"run.dir={run_dir}"]
     start = time.perf_counter()
@@ -86,7 +86,7 @@ def train(name: str, recipe: str, overrides: Sequence[str], run_dir: Path, timeo
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
-        with Progress(f"  {name}", total=steps or None, unit="steps", enabled=progress) as bar:
+        with Progress(f"  {name}", total=steps or None, unit="steps", enabled=progress and steps > 0) as bar:
             try:
                 code = wait(proc, run_dir, timeout, bar)
             except BaseException:  # timeout or Ctrl-C: stop the run's whole process group (its ranks too)
