@@ -7,7 +7,7 @@ order of float32 sums (TP splits contractions, DP/EP sum gradients in another or
 rounding difference of about one step's size (``rtol``, 1e-5 by default, bounds step 1), and the weights
 carry it into every later step, the resumed ones included. Under the check's Adam-as-SGD update (lr * g,
 which adds rounding and never amplifies it) these per-step differences add up: at most linearly in the
-number of updates. A deep shrunk layout (Llama-3-70B: 20 layers over PP4 x VPP5 chunks) was seen at 1.36e-5
+number of updates. A deep shrunk layout (Llama-3-70B: 20 layers in PP2 x VPP5 chunks, TP2, CP2) was seen at 1.36e-5
 in its resumed steps; a wrong layout parts by far more at step 1 (a wrong pipeline split, per-layout
 dropout masks: > 1e-3).
 """
