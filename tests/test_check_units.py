@@ -113,3 +113,52 @@ def test_context_parallel_layout_runs_all_gather_and_says_so(recipe):
         assert "multi-latent attention" in context_parallel_unproven(layout)
     else:
         assert context_parallel_unproven(layout) is None
+
+
+@pytest.mark.parametrize("recipe", ["tiny_llama_lora", "llama3_8b_lora"])
+def test_adapter_dropout_is_off_in_both_runs(recipe):
+    # Dropout masks are drawn per layout (a TP rank draws its shard's from its own stream): with them on,
+    # a correct TP2 layout parts from one rank at step 1 (what check once reported as TRAINS WRONG).
+    cfg, _, planned, notes, _ = plan_runs(recipe, [], 8, 6, 4)
+    assert cfg.peft.dropout > 0
+    for name in ("layout", "reference"):
+        assert compose_recipe(recipe, planned[name]).peft.dropout == 0.0, name
+    assert any(n.startswith(f"adapter dropout {cfg.peft.dropout:g} -> 0") for n in notes)
+
+
+def test_a_run_shows_its_steps_while_it_goes(tmp_path):
+    """check's phases report progress from the steps a run logs (plain lines off a terminal)."""
+    import io
+    import subprocess
+    import sys
+
+    from megatron_recipes.check import runs
+    from megatron_recipes.progress import Progress
+
+    run_dir = tmp_path / "layout"
+    run_dir.mkdir()
+    child = (  # a stand-in run: logs one step record per 0.3 s, as the trainer's log.jsonl has them
+        "import json, sys, time\n"
+        "with open(sys.argv[1], 'a') as f:\n"
+        "    for s in (1, 2, 3):\n"
+        "        time.sleep(0.3); f.write(json.dumps({'type': 'LOG', 'step': s, 'data': {'loss': 1.0}}) + '\\n'); f.flush()\n"
+        "    time.sleep(0.3)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child, str(run_dir / "log.jsonl")])
+    stream = io.StringIO()
+    with Progress("  layout", total=3, unit="steps", stream=stream, tty=False, interval=0.0, delay=0.0) as bar:
+        assert runs.wait(proc, run_dir, 60, bar, poll=0.1) == 0
+    lines = stream.getvalue().splitlines()
+    assert any("3 / 3 steps" in line for line in lines) and any(" 1 / 3 steps" in line for line in lines), lines
+    assert lines[-1].startswith("  layout: done, 3 steps"), lines
+    assert runs.steps_logged(tmp_path / "nothing") == 0
+
+
+def test_tolerance_grows_with_the_steps_rounding_has_had_to_add_up():
+    # 1.5e-5: over one step's rounding at step 1, within five steps' at step 5 (a deep layout's resumed steps)
+    early = compare.Series("grad_norm", [1.0 + 1.5e-5, 1.0], [1.0, 1.0])
+    late = compare.Series("grad_norm", [1.0, 1.0 + 1.5e-5], [1.0, 1.0], first_step=4)
+    v = compare.judge([early], 1e-5)
+    assert not v.equal and v.first_diverging_step == 1 and "1 x 1e-05" in v.reason
+    assert compare.judge([late], 1e-5).equal
+    assert not compare.judge([late], 2e-6).equal

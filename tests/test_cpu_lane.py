@@ -56,6 +56,51 @@ def test_device_rng_stream_and_type_patches():
     assert out["fork_restores_default"] and out["fork_is_another_stream"] and out["fork_stream_advances"]
 
 
+def _backward_runs_in_the_lane():
+    import torch
+    from megatron.core.tensor_parallel.random import checkpoint
+
+    from megatron_recipes.runtime import cpu_lane
+
+    cpu_lane.activate()
+
+    class DeviceInBackward(torch.autograd.Function):  # as megatron-core's MoE dispatchers' backward
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return 2 * grad + torch.zeros(grad.shape, device=torch.cuda.current_device())
+
+    def block(x):  # recomputed in backward; literal CUDA devices as in megatron-core's layers
+        return DeviceInBackward.apply(x) * torch.ones(x.shape, device="cuda")
+
+    out = {}
+    for entry in ("tensor.backward", "autograd.backward", "autograd.grad"):
+        x = torch.ones(3, requires_grad=True)
+        # megatron-core's full activation recompute (which .grad() cannot take)
+        y = (block(x) if entry == "autograd.grad" else checkpoint(block, False, x)).sum()
+        try:
+            if entry == "tensor.backward":
+                y.backward()
+            elif entry == "autograd.backward":
+                torch.autograd.backward(y)
+            else:
+                x.grad = torch.autograd.grad(y, x)[0]
+            out[entry] = x.grad.tolist()
+        except RuntimeError as exc:
+            out[entry] = str(exc)
+    return out
+
+
+def test_backward_and_recompute_run_with_cpu_devices():
+    """A backward entry reaches the lane's mode handler, which runs with the mode popped: the whole backward
+    pass (recompute, custom Functions) must still see CUDA devices mapped to CPU."""
+    out = run_ranks(_backward_runs_in_the_lane, 1)[0]
+    assert out == {entry: [2.0, 2.0, 2.0] for entry in ("tensor.backward", "autograd.backward", "autograd.grad")}, out
+
+
 def _all_to_all_with_tensor_splits():
     import torch
     import torch.distributed as dist

@@ -9,6 +9,7 @@ global batches, so each step's loss must match the one-rank run within float32 n
 from __future__ import annotations
 
 import pytest
+import torch
 
 import peft_support as ps
 
@@ -72,3 +73,24 @@ def test_adapters_learn_and_only_they_train(reference):
     for name, result in reference.items():
         assert result["losses"][0] != result["losses"][-1], name
         assert 0 < result["trainable"] < 0.2 * result["total"], name
+
+
+def _replicated_after_dropout_training(world, layout):
+    cfg = ps.tiny_cfg(world, *layout, *CASES["lora"], "peft.dropout=0.3")
+    result = ps.train_steps(cfg, STEPS, ps.set_base_weights)
+    return {f"{i}.{n}": p.detach().clone() for i, chunk in enumerate(result["chunks"])
+            for n, p in chunk.named_parameters()
+            if p.requires_grad and not getattr(p, "tensor_model_parallel", False)}
+
+
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=2", "parallel.sp=true"]], ids=["tp2", "tp2_sp"])
+def test_adapter_dropout_keeps_tp_replicas_identical(layout):
+    """With dropout on, a replicated factor (column A, row B) sees the same masked input on every TP rank
+    (or its partial gradients are summed): its replicas must stay bit-identical, else the ranks silently
+    train different models and the checkpoint keeps only one of them."""
+    ranks = ps.run_ranks(2, _replicated_after_dropout_training, 2, layout)
+    names = sorted(ranks[0])
+    assert any("lora_a" in n for n in names) and any("lora_b" in n for n in names)
+    assert any(ranks[0][n].abs().sum() > 0 for n in names if "lora_b" in n)  # B left zero: nothing trained
+    for name in names:
+        assert torch.equal(ranks[0][name], ranks[1][name]), f"{name} differs between TP ranks"

@@ -169,7 +169,8 @@ def main(argv: List[str]) -> int:
     for name in ("seed", "reference", "layout", "reshard"):
         if name == "reshard" and results["layout"].returncode != 0:
             break
-        results[name] = result = runs.train(name, args.recipe, planned[name], out / name, timeout)
+        total = {"seed": 0, "layout": stop}.get(name, steps)
+        results[name] = result = runs.train(name, args.recipe, planned[name], out / name, timeout, total)
         print(f"  {name:<9} exit {result.returncode} in {result.seconds:.1f}s", flush=True)
         if result.returncode != 0:
             tail = "\n    ".join(result.output.strip().splitlines()[-15:])

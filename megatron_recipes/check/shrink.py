@@ -192,6 +192,13 @@ def shrink(cfg: RunConfig, max_ranks: int = 8, max_layers_per_chunk: Optional[in
                 f"layers {full} -> {common['model.num_layers']}: at most {max_layers_per_chunk} per pipeline chunk "
                 "(uneven first/last stages kept as written); --full-depth keeps every stage's layer count"
             )
+    if cfg.peft.dropout > 0:
+        # Each layout draws its own masks (a TP rank draws its shard's from megatron-core's per-rank
+        # stream), so with dropout on no layout can match one rank step by step; the masks' agreement
+        # across TP replicas is proven by tests/test_peft_parallel.py instead.
+        common["peft.dropout"] = 0.0
+        notes.append(f"adapter dropout {cfg.peft.dropout:g} -> 0: dropout masks are drawn per layout, so they "
+                     "cannot match one rank's; the layout is proven without them")
     if cfg.model.hidden_size > TINY_HIDDEN:
         m = cfg.model
         moe = f", expert FFN {MOE_FFN}; {m.num_moe_experts} experts, top-{m.moe_router_topk} kept" if m.num_moe_experts else ""

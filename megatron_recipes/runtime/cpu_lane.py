@@ -176,6 +176,37 @@ def _patch_all_to_all() -> None:
     c10d.all_to_all_single = all_to_all_single
 
 
+class _EngineInMode:
+    """The autograd engine with the CUDA->CPU mode on while it runs.
+
+    ``Tensor.backward``/``torch.autograd.backward``/``grad`` reach the mode's handler first, and a handler
+    runs with its mode popped, so the whole backward pass (custom Functions' backward, full activation
+    recompute, the MoE dispatchers' backward, all calling ``torch.cuda.current_device()``) would run
+    without it. Every backward entry ends in this engine's ``run_backward``, so the mode is put back here.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def run_backward(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.overrides import _get_current_function_mode_stack
+
+        if _MODE is None or _MODE in _get_current_function_mode_stack():
+            return self._engine.run_backward(*args, **kwargs)
+        with _MODE:
+            return self._engine.run_backward(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+def _patch_autograd_engine() -> None:
+    from torch.autograd.variable import Variable
+
+    if not isinstance(Variable._execution_engine, _EngineInMode):
+        Variable._execution_engine = _EngineInMode(Variable._execution_engine)
+
+
 def activate() -> bool:
     """Patch torch/megatron-core for CPU execution. Idempotent; refuses when CUDA is present."""
     global _ACTIVE, _MODE
@@ -190,6 +221,7 @@ def activate() -> bool:
     patches.apply("cpu_lane")  # megatron-core's own CUDA-only corners (runtime/patches.py)
     _patch_tensor_type()
     _patch_all_to_all()
+    _patch_autograd_engine()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
     _ACTIVE = True
