@@ -204,3 +204,27 @@ def test_moe_expert_parallel_resharding(tmp_path):
         _assert_close(out[rank]["ep1"]["logits"], out[rank]["ep2"]["logits"], f"EP=1 rank {rank} logits")
         assert out[rank]["ep1"]["losses_34"] == pytest.approx(out[rank]["ep2"]["losses_34"], rel=1e-5)
     assert out[0]["ep1"]["state"] == STATE
+
+
+def _rank_dense_first_stage(run_dir: str):
+    """PP=2 x EP=2 with the first stage's layers dense: its expert optimizer holds no parameter there."""
+    from megatron_recipes.training.checkpoint import load_checkpoint
+
+    extra = MOE + ["model.moe_first_dense_layers=2", "parallel.ep=2"]
+    t = cs.Trainer(cs.tiny_cfg(run_dir, pp=2, world=4, extra=extra))
+    t.train(1, 2)
+    path = _save(t, Path(run_dir) / "checkpoints", 2, STATE)
+    uninterrupted = t.train(3, 4)
+    u = cs.Trainer(cs.tiny_cfg(run_dir, pp=2, world=4, extra=extra), seed=77)
+    state = load_checkpoint(path, u.model, u.optimizer, u.scheduler, cfg=u.cfg)
+    return {"state": state, "uninterrupted": uninterrupted, "resumed": u.train(3, 4)}
+
+
+def test_resume_with_a_stage_that_holds_no_experts(tmp_path):
+    """Rank 0 writes the optimizers' common state (the Adam step) for every rank. Its expert optimizer
+    is empty here, so megatron-core (without Apex/TE) had no step to read; with a wrong one stage 1's
+    experts would resume with the wrong bias correction."""
+    out = run_ranks(_rank_dense_first_stage, 4, str(tmp_path / "run"))
+    assert out[0]["state"] == STATE
+    for rank in range(4):
+        assert out[rank]["resumed"] == out[rank]["uninterrupted"], f"rank {rank} steps 3-4 after resume"

@@ -207,6 +207,49 @@ def _state_dict_asserts_step() -> bool:
     return "step" in source and "assert" in source
 
 
+_SIBLING_STEP = "__megatron_recipes_sibling_step__"
+
+
+def _step_from_siblings(optimizer) -> None:
+    """A chained optimizer with no parameter on this rank (the expert optimizer of a pipeline stage whose
+    layers are all dense) has no Adam state, so ``DistributedOptimizer.state_dict()`` finds no step and
+    asserts. Rank 0 writes the common state for every rank, so the step it writes must be the true one:
+    the step of a sibling optimizer on this rank (all parts of a chain step together)."""
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+
+    def sibling_step():
+        for part in parts:
+            for state in getattr(getattr(part, "optimizer", None), "state", {}).values():
+                if isinstance(state, dict) and torch.is_tensor(state.get("step")):
+                    return state["step"].clone()
+        return torch.tensor(0.0)  # no part holds state: nothing has stepped yet
+
+    for part in parts:
+        inner = getattr(part, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or any(g["params"] for g in inner.param_groups):
+            continue
+        if getattr(part.state_dict, "_megatron_recipes_sibling_step", False):
+            continue
+        original = part.state_dict
+
+        def state_dict(original=original, inner=inner):
+            inner.state[_SIBLING_STEP] = {"step": sibling_step()}  # a non-tensor key: torch keeps it as is
+            try:
+                return original()
+            finally:
+                inner.state.pop(_SIBLING_STEP, None)
+
+        state_dict._megatron_recipes_sibling_step = True
+        part.state_dict = state_dict
+
+
+def _empty_optimizer_asserts_step() -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    source = inspect.getsource(DistributedOptimizer.state_dict)
+    return "assert len(steps) == 1" in source
+
+
 def _keep_step_on_reshardable_load(optimizer=None) -> None:
     """``load_parameter_state_from_fully_reshardable`` passes tensors without ``step`` and the setter copies
     every key of the live state: ``KeyError: 'step'``. Keep the ``step`` ``load_state_dict`` restored."""
@@ -318,6 +361,11 @@ PATCHES: List[Patch] = [
     Patch("adam-state-up-front", "optimizer", "torch.optim.Adam state (the optimizer built)", ("0.16", None),
           "DistributedOptimizer.state_dict() asserts each parameter has a step; a fresh torch Adam has none, "
           "so loading a checkpoint into it fails", _OPT, _allocate_torch_adam_state, _state_dict_asserts_step, True),
+    Patch("step-for-an-empty-optimizer", "optimizer", "DistributedOptimizer.state_dict of a part holding no parameter",
+          ("0.16", None), "without Apex/TE state_dict() reads the step from Adam state; an optimizer with no "
+          "parameter on this rank (experts on a dense-only stage) has none and asserts on save",
+          "tests/test_checkpoint_resharding.py::test_resume_with_a_stage_that_holds_no_experts",
+          _step_from_siblings, _empty_optimizer_asserts_step, True),
     Patch("keep-step-on-reshardable-load", "optimizer",
           "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
           ("0.16", None), "fully_reshardable loads hand it tensors without step: KeyError 'step'", _OPT,
