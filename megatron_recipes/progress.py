@@ -13,6 +13,7 @@ from typing import Callable, Optional, TextIO
 
 DELAY_S = 1.5  # nothing is shown for work shorter than this
 INTERVAL_S = 10.0  # one plain line per interval when not on a terminal
+QUIET_S = 60.0  # ... but while nothing moves, only one per this many seconds (a sign of life, not a log flood)
 
 
 def human(n: float, unit: str = "B") -> str:
@@ -65,6 +66,7 @@ class Progress:
         self.done, self.items = 0.0, 0
         self.start = clock()
         self.last_line: Optional[float] = None
+        self.last_done: Optional[float] = None
         self.bar = None
 
     # ----- counting ------------------------------------------------------------------------------
@@ -78,8 +80,8 @@ class Progress:
             return
         if self.tty:
             self._bar_update()
-        elif self.last_line is None or now - self.last_line >= self.interval:
-            self.last_line = now
+        elif self.last_line is None or now - self.last_line >= (self.interval if self.done != self.last_done else QUIET_S):
+            self.last_line, self.last_done = now, self.done
             self._print(self.line(now))
 
     def line(self, now: Optional[float] = None) -> str:

@@ -30,6 +30,19 @@ def test_plain_lines_every_interval_with_rate_and_eta():
     assert lines[-1] == "import: done, 4.00 GB, 40 tensors in 40 s"
 
 
+def test_a_stalled_count_prints_once_a_minute_not_every_interval():
+    out, clock = io.StringIO(), Clock()
+    with Progress("  layout", total=6, unit="steps", stream=out, tty=False, interval=10, delay=0, clock=clock) as p:
+        for _ in range(30):  # 5 minutes polled every 10 s with no step done (ranks starting up)
+            clock.t += 10.0
+            p.update(0)
+        clock.t += 10.0
+        p.update(6)
+    lines = out.getvalue().splitlines()
+    assert [line.split(":")[1].split()[0] for line in lines[:-1]] == ["0%"] * 5 + ["100%"]  # 10 s, then 70..250 s
+    assert lines[-1] == "  layout: done, 6 steps in 5 min 10 s"
+
+
 def test_short_work_prints_nothing_and_disabled_prints_nothing():
     out, clock = io.StringIO(), Clock()
     with Progress("export", total=10, stream=out, tty=False, delay=1.5, clock=clock) as p:
