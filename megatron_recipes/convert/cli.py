@@ -169,7 +169,7 @@ def _verify(overrides: List[str], flags) -> int:
 
 
 def _usage() -> str:
-    from megatron_recipes.convert.family import all_families
+    from megatron_recipes.families import all_families
 
     lines = [__doc__.strip(), "", "families:"]
     for fam in sorted(all_families().values(), key=lambda f: f.name):

@@ -33,11 +33,12 @@ from megatron_recipes.config import peft_methods as methods
 from megatron_recipes.config.compose import from_yaml
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import ParallelConfig, PeftConfig, RunConfig
-from megatron_recipes.convert import family as families, staging
+from megatron_recipes import families
+from megatron_recipes.convert import staging
 from megatron_recipes.convert.exporter import DEFAULT_MAX_SHARD, find_assets, hf_config_for, run_export
 from megatron_recipes.convert.layout import with_parallel
 from megatron_recipes.convert.safetensors_io import INDEX_NAME
-from megatron_recipes.convert.transforms import Ctx
+from megatron_recipes.families.transforms import Ctx
 from megatron_recipes.convert.verify import (
     SMALL_MODEL_PARAMS,
     TOLERANCE,

@@ -1,21 +1,19 @@
-"""What a model family's mapping file declares, and how the engine finds the right one.
+"""What a model family's mapping file declares.
 
-A family is data: HF architecture names, the HF config <-> ModelConfig functions, and a name table from
+A family is data: HF architecture names, the HF config <-> ModelConfig functions, a name table from
 megatron-core's checkpoint keys (TE naming, layer index dropped: ``decoder.layers.<name>``) to typed
-transforms over HF tensor names with ``{layer}``/``{expert}`` placeholders. The tables live in the
-top-level ``conversion/`` folder, one small file per family.
+transforms over HF tensor names with ``{layer}``/``{expert}`` placeholders, and a tiny HF config that the
+tests build a random model from. One small file per family in this package declares one ``FAMILY``.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Tuple
 
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import ModelConfig
-from megatron_recipes.convert.transforms import Transform
+from megatron_recipes.families.transforms import Transform
 
 LAYER = "decoder.layers."
 
@@ -28,6 +26,9 @@ class Family:
     weights: Mapping[str, Transform]  # canonical megatron key -> transform
     config_from_hf: Callable[[Any], Dict[str, Any]]  # HF config object -> ModelConfig fields
     config_to_hf: Callable[[ModelConfig], Dict[str, Any]]  # ModelConfig -> HF config kwargs
+    # A tiny random-init HF config (transformers' own config class; ``**overrides`` go to it) that the
+    # tests build a model of this family from: small, but with every feature this mapping must get right.
+    tiny_hf_config: Callable[..., Any]
     flags_from_hf: Callable[[Any], Dict[str, Any]] = lambda hf: {}  # per-model switches the transforms read
     ignored_hf: Tuple[str, ...] = (r".*rotary_emb\.inv_freq$",)  # HF tensors that are not weights
     ignored_from_hf: Callable[[Any], Tuple[str, ...]] = lambda hf: ()  # model-dependent skips (e.g. MTP layers)
@@ -39,7 +40,7 @@ class Family:
         except KeyError:
             raise RecipeError(
                 f"family {self.name!r} has no mapping for megatron tensor {canonical_key}",
-                fix=f"add it to conversion/{self.name}.py (this model uses a feature the mapping does not cover)",
+                fix=f"add it to megatron_recipes/families/{self.name}.py (this model uses a feature the mapping does not cover)",
             ) from None
 
     def ignored(self, hf) -> Tuple[str, ...]:
@@ -57,48 +58,5 @@ def hf_layer(template: str) -> str:
     return "model.layers.{layer}." + template
 
 
-@dataclass
-class _Registry:
-    families: Dict[str, Family] = field(default_factory=dict)
-    loaded: bool = False
-
-
-_REGISTRY = _Registry()
-
-
-def _load() -> Dict[str, Family]:
-    if not _REGISTRY.loaded:
-        package = importlib.import_module("megatron_recipes._conversion")
-        for info in pkgutil.iter_modules(package.__path__):
-            if info.name.startswith("_"):
-                continue
-            module = importlib.import_module(f"megatron_recipes._conversion.{info.name}")
-            family = getattr(module, "FAMILY", None)
-            if isinstance(family, Family):
-                _REGISTRY.families[family.name] = family
-        _REGISTRY.loaded = True
-    return _REGISTRY.families
-
-
-def all_families() -> Dict[str, Family]:
-    return dict(_load())
-
-
-def by_name(name: str) -> Family:
-    families = _load()
-    if name not in families:
-        raise RecipeError(f"no conversion mapping for model.family={name!r}", fix=f"known families: {', '.join(sorted(families))}")
-    return families[name]
-
-
-def by_architecture(architectures: Optional[Sequence[str]], model_type: Optional[str]) -> Family:
-    families = _load()
-    for arch in architectures or ():
-        for family in families.values():
-            if arch in family.architectures:
-                return family
-    known = sorted(a for f in families.values() for a in f.architectures)
-    raise RecipeError(
-        f"unknown architecture {list(architectures or [])} (model_type={model_type!r})",
-        fix=f"convertible architectures: {', '.join(known)}",
-    )
+# The shape every family's tiny test model shares (4 layers, hidden 64); each family adds its own features.
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=256)
