@@ -1,4 +1,4 @@
-"""LoRA and DoRA adapters around megatron-core's tensor-parallel linears.
+"""LoRA and DoRA adapters around megatron-core's tensor-parallel linears, and merging them into the base.
 
 Split (so no activation-sized communication is added to the base layer's own):
 

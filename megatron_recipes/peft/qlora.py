@@ -1,4 +1,4 @@
-"""A frozen tensor-parallel linear whose weight is stored as NF4 and dequantised on the fly (QLoRA).
+"""QLoRA's base: a frozen tensor-parallel linear whose weight is stored as NF4 and dequantised on the fly.
 
 It replaces a base ``ColumnParallelLinear``/``RowParallelLinear`` (or a TE spec linear) and keeps its
 contract: same input/output layout, same communication through megatron-core's public mapping functions
@@ -172,7 +172,7 @@ class NF4ParallelLinear(torch.nn.Module):
         )
 
 
-# --- QLoRA's base: replace targeted linears by NF4 ones, after checking every one can be quantised ---
+# --- replacing the targeted linears by NF4 ones, after checking every one can be quantised -----------
 
 
 def check_quantizable(target, p: PeftConfig) -> None:
