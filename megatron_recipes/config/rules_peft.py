@@ -13,7 +13,7 @@ from megatron_recipes.config import derived, peft_methods as methods
 from megatron_recipes.config.rules_base import rule
 from megatron_recipes.config.schema import RunConfig
 
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "expert_fc1", "expert_fc2")
+TARGETS = methods.TARGETS
 
 
 def _method(cfg: RunConfig):

@@ -27,6 +27,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_recipes.config.peft_methods import TARGETS
+
+
 @dataclass(frozen=True)
 class LinearLayout:
     kind: str  # "column" (output features split over TP) | "row" (input features split over TP)
@@ -139,7 +142,6 @@ def _te_layout(module, out_local: int, in_local: int) -> LinearLayout:
 
 # --- targets: the adaptable linears of a chunk -------------------------------------------------------
 
-KNOWN_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "expert_fc1", "expert_fc2")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"experts\.local_experts\.(\d+)\.")
 
@@ -148,7 +150,7 @@ _EXPERT = re.compile(r"experts\.local_experts\.(\d+)\.")
 class Target:
     path: str  # module path inside the chunk (local indices)
     canonical: str  # global indices: layers.<L>.<...>, experts.<E>
-    kind: str  # one of KNOWN_TARGETS (or another linear's own name)
+    kind: str  # one of TARGETS (or another linear's own name)
     layer: int  # global 0-based layer index
     module: torch.nn.Module
     parent: torch.nn.Module
@@ -213,7 +215,7 @@ def find_targets(chunks: List[torch.nn.Module], names: List[str]) -> Dict[str, L
 
 def present_kinds(chunks: List[torch.nn.Module]) -> List[str]:
     kinds = {t.kind for chunk in chunks for t in iter_linears(chunk)}
-    return sorted(kinds, key=lambda k: (KNOWN_TARGETS.index(k) if k in KNOWN_TARGETS else 99, k))
+    return sorted(kinds, key=lambda k: (TARGETS.index(k) if k in TARGETS else 99, k))
 
 
 def attention_modules(chunk: torch.nn.Module) -> Iterator[tuple]:
