@@ -19,7 +19,6 @@ WORKDIR /opt/megatron-recipes
 COPY pyproject.toml setup.py README.md ./
 COPY megatron_recipes/ megatron_recipes/
 COPY recipes/ recipes/
-COPY conversion/ conversion/
 COPY launch/ launch/
 # The `gpu` extra pins megatron-core to the tested release and TE to the range it supports. The base
 # image's pip constraints keep its own torch/TE/NCCL builds: pip fails loudly rather than replacing them.

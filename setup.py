@@ -4,5 +4,5 @@ from setuptools import find_packages, setup
 
 setup(
     packages=find_packages(include=["megatron_recipes", "megatron_recipes.*"])
-    + ["megatron_recipes._recipes", "megatron_recipes._conversion", "megatron_recipes._launch"],
+    + ["megatron_recipes._recipes", "megatron_recipes._launch"],
 )

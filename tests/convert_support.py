@@ -1,10 +1,11 @@
 """Tiny random HF models of every convertible family, built locally from transformers' config classes.
 
-Each model is small (4 layers, hidden 64) but exercises what its family's mapping must get right: GQA
-(2 query groups under 4 heads), llama3 RoPE scaling, a sliding window shorter than the prompt, QKV
-biases with tied embeddings, q/k norms with an explicit head_dim, experts, MLA with YaRN and a shared
-expert. Norm weights, biases and buffers are randomised, since HF initialises them to 1/0 and a
-swapped norm would otherwise go unnoticed. Vocabulary sizes force padding.
+Each family's module declares its tiny config (``Family.tiny_hf_config``): small (4 layers, hidden 64)
+but exercising what its mapping must get right: GQA (2 query groups under 4 heads), llama3 RoPE scaling,
+a sliding window shorter than the prompt, QKV biases with tied embeddings, q/k norms with an explicit
+head_dim, experts, MLA with YaRN and a shared expert. Norm weights, biases and buffers are randomised
+here, since HF initialises them to 1/0 and a swapped norm would otherwise go unnoticed. Vocabulary sizes
+force padding. The tests loop over ``FAMILIES``, so a new family is covered without editing them.
 """
 
 from __future__ import annotations
@@ -16,41 +17,14 @@ from typing import Dict
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
-MOE = ("mixtral", "qwen3_moe", "deepseek_v3")
-
-_COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=256)
+from megatron_recipes.families import FAMILIES, by_name  # every listed family; each carries its tiny HF config
 
 
 def hf_config(family: str, **overrides):
-    import transformers as T
+    return by_name(family).tiny_hf_config(**overrides)
 
-    gqa = dict(_COMMON, num_key_value_heads=2)
-    if family == "llama":
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        cls, kw = T.LlamaConfig, dict(vocab_size=1000, rope_parameters=rope, **gqa)
-    elif family == "mistral":
-        cls, kw = T.MistralConfig, dict(vocab_size=1100, sliding_window=5, **gqa)
-    elif family == "qwen2":
-        cls, kw = T.Qwen2Config, dict(vocab_size=1000, tie_word_embeddings=True, **gqa)
-    elif family == "qwen3":
-        cls, kw = T.Qwen3Config, dict(vocab_size=1000, head_dim=32, **gqa)
-    elif family == "mixtral":
-        cls, kw = T.MixtralConfig, dict(vocab_size=1000, num_local_experts=4, num_experts_per_tok=2, **gqa)
-    elif family == "qwen3_moe":
-        cls, kw = T.Qwen3MoeConfig, dict(vocab_size=1000, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=16, **gqa)
-    elif family == "deepseek_v3":
-        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
-                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
-        cls, kw = T.DeepseekV3Config, dict(
-            vocab_size=1000, num_key_value_heads=4, moe_intermediate_size=32, first_k_dense_replace=1, n_routed_experts=4,
-            n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
-            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_parameters=yarn, **_COMMON,
-        )
-    else:
-        raise ValueError(family)
-    return cls(**{**kw, **overrides})
+
+MOE = tuple(f for f in FAMILIES if by_name(f).config_from_hf(hf_config(f)).get("num_moe_experts"))  # tested with EP=2
 
 
 def make_hf_model(family: str, folder: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> Path:

@@ -176,8 +176,8 @@ def set_base_weights(chunks, seed: int = 11) -> None:
     """
     from megatron.core import parallel_state
 
-    from megatron_recipes.peft.init import normal, sharded
-    from megatron_recipes.peft.targets import canonical_name
+    from megatron_recipes.peft.linears import normal, sharded
+    from megatron_recipes.peft.linears import canonical_name
 
     for chunk in chunks:
         for name, p in chunk.named_parameters():

@@ -14,7 +14,7 @@ from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import ModelConfig, ParallelConfig
 from megatron_recipes.convert.layout import min_world_size
 from megatron_recipes.convert.safetensors_io import SafetensorsReader, ShardedSafetensorsWriter
-from megatron_recipes.convert.transforms import QKV, Ctx, Gated, RopeRows, Vocab
+from megatron_recipes.families.transforms import QKV, Ctx, Gated, RopeRows, Vocab
 
 
 class DictSource:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +13,7 @@ from megatron_recipes.config.compose import compose_recipe
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.rules_model import FAMILIES
 from megatron_recipes.config.validate import validate_or_raise
-from megatron_recipes.convert.family import all_families
+from megatron_recipes.families import all_families
 
 TINY = "tiny_llama_cpu"
 
@@ -65,3 +66,13 @@ def test_bad_values_are_refused(override, expected):
 
 def test_family_rule_matches_the_conversion_mappings():
     assert sorted(FAMILIES) == sorted(all_families())
+    # and no family module is left out of the list (it would never be converted or tested)
+    import megatron_recipes.families as package
+
+    declaring = {p.stem for p in Path(package.__file__).parent.glob("*.py") if "\nFAMILY = " in p.read_text()}
+    assert declaring == set(FAMILIES), declaring ^ set(FAMILIES)
+
+
+def test_each_family_carries_a_tiny_hf_config_of_its_own_model_type():
+    for name, family in all_families().items():
+        assert family.tiny_hf_config().model_type == family.model_type, name

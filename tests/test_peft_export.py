@@ -25,7 +25,7 @@ def _export_job(root: str, run: str, method: str):
     """Export via the CLI (base, adapter, merged) and return the trained model's logits and fused LoRA (TP=1)."""
     from megatron_recipes.convert.cli import main
     from megatron_recipes.convert.verify import forward_logits, prompt_tokens
-    from megatron_recipes.peft.export import load_trained
+    from megatron_recipes.convert.peft_export import load_trained
     from megatron_recipes.runtime.distributed import shutdown
 
     ckpt = f"ckpt_dir={run}/checkpoints"

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CODE_DIRS = ("megatron_recipes", "benchmarks", "conversion", "launch")  # tests load models they just wrote
+CODE_DIRS = ("megatron_recipes", "benchmarks", "launch")  # tests load models they just wrote
 
 
 def _auto_from_pretrained_calls():

@@ -7,8 +7,8 @@ from typing import Optional
 from megatron_recipes.config.rules_base import choices, divisors, one_of, rule
 from megatron_recipes.config.schema import ACTIVATIONS, NORMALIZATIONS, POSITION_TYPES, ROPE_SCALING_TYPES, RunConfig
 
-# The families conversion/ has a mapping for (tests/test_hostile_recipes.py keeps the two lists equal):
-# a family without one would train and only fail at export.
+# The explicit list of model families: each name has its mapping module megatron_recipes/families/<name>.py
+# (tests/test_hostile_recipes.py checks both ways); a family without one would train and only fail at export.
 FAMILIES = ("deepseek_v3", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 SIZES = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "max_position_embeddings")
 OPTIONAL_SIZES = ("kv_channels", "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
@@ -34,7 +34,7 @@ def _sizes_positive(cfg: RunConfig) -> Optional[str]:
 @rule(
     "model.family",
     ["model.family"],
-    "model.family names a family with a conversion mapping (conversion/<family>.py)",
+    "model.family names a family with a conversion mapping (megatron_recipes/families/<family>.py)",
     f"use one of {', '.join(FAMILIES)}",
 )
 def _family(cfg: RunConfig) -> Optional[str]:

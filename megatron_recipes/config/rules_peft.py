@@ -9,16 +9,14 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from megatron_recipes.config import derived
+from megatron_recipes.config import derived, peft_methods as methods
 from megatron_recipes.config.rules_base import rule
 from megatron_recipes.config.schema import RunConfig
 
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "expert_fc1", "expert_fc2")
+TARGETS = methods.TARGETS
 
 
 def _method(cfg: RunConfig):
-    from megatron_recipes.peft import methods
-
     if methods.why_not(cfg.peft.method):
         return None
     return methods.parse(cfg.peft.method)
@@ -57,8 +55,6 @@ def linear_dims(cfg: RunConfig) -> Dict[str, List[Tuple[int, int, str, int]]]:
 
 @rule("peft.method", ["peft.method"], "peft.method is none, lora, dora, qlora, ptuning or qlora+dora", "use one of the listed methods")
 def _valid_method(cfg: RunConfig) -> Optional[str]:
-    from megatron_recipes.peft import methods
-
     return methods.why_not(cfg.peft.method)
 
 

@@ -1,5 +1,5 @@
 """HF <-> Megatron checkpoint conversion: streaming I/O, the mapping engine, and logits verification.
 
-The per-family name tables live in the top-level ``conversion/`` folder (package
-``megatron_recipes._conversion``); everything they share lives here.
+The per-family mappings (and the vocabulary they are written in) live in ``megatron_recipes.families``;
+this package is the engine that applies them, and the export of PEFT runs (``peft_export``).
 """

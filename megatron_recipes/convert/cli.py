@@ -139,7 +139,7 @@ def _export(overrides: List[str], flags) -> int:
         raise RecipeError(f"{prog}: export reads any layout; parallel.* options do not apply", fix="drop them")
     opts = options(overrides, prog, ExportOptions)
     shard = int(opts.max_shard_gb * (1 << 30)) if opts.max_shard_gb else DEFAULT_MAX_SHARD
-    from megatron_recipes.peft import export as peft_export  # PEFT checkpoints hold adapters: base + adapters rebuilt
+    from megatron_recipes.convert import peft_export  # PEFT checkpoints hold adapters: base + adapters rebuilt
 
     if opts.adapter_only or peft_export.is_peft_checkpoint(Path(opts.ckpt_dir)):
         paths = {"ckpt_dir": opts.ckpt_dir, "hf_dir": opts.hf_dir, "hf_assets": opts.hf_assets, "dtype": _dtype(opts.dtype)}
@@ -169,7 +169,7 @@ def _verify(overrides: List[str], flags) -> int:
 
 
 def _usage() -> str:
-    from megatron_recipes.convert.family import all_families
+    from megatron_recipes.families import all_families
 
     lines = [__doc__.strip(), "", "families:"]
     for fam in sorted(all_families().values(), key=lambda f: f.name):

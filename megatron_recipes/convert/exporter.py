@@ -23,14 +23,15 @@ import torch
 
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import ParallelConfig, RunConfig
-from megatron_recipes.convert import family as families, staging
+from megatron_recipes import families
+from megatron_recipes.convert import staging
 from megatron_recipes.convert.dcp_io import CheckpointReader
-from megatron_recipes.convert.hf_config import ROPE_KEYS, transformers_major
+from megatron_recipes.families.hf_config import ROPE_KEYS, transformers_major
 from megatron_recipes.convert.importer import HF_ASSETS, WEIGHT_FILES
 from megatron_recipes.convert.memory import PeakRss, gib
 from megatron_recipes.convert.safetensors_io import INDEX_NAME, ShardedSafetensorsWriter
 from megatron_recipes.convert.target import Item, checkpoint_layout
-from megatron_recipes.convert.transforms import Ctx
+from megatron_recipes.families.transforms import Ctx
 
 DEFAULT_MAX_SHARD = 5 * (1 << 30)
 _TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -28,12 +28,13 @@ import torch
 
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import ModelConfig, ParallelConfig, RunConfig, RunDirConfig
-from megatron_recipes.convert import dcp_io, family as families, layout as layouts, staging
-from megatron_recipes.convert.hf_config import load_hf_config
+from megatron_recipes import families
+from megatron_recipes.convert import dcp_io, layout as layouts, staging
+from megatron_recipes.families.hf_config import load_hf_config
 from megatron_recipes.convert.memory import PeakRss, gib
 from megatron_recipes.convert.safetensors_io import SafetensorsReader
 from megatron_recipes.convert.target import Item, Layout, checkpoint_layout
-from megatron_recipes.convert.transforms import Ctx, Transform
+from megatron_recipes.families.transforms import Ctx, Transform
 
 HF_ASSETS = "hf"
 MODEL_GROUP = "model"

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron_recipes.config.schema import ParallelConfig, RunConfig
-from megatron_recipes.convert.family import LAYER
+from megatron_recipes.families.family import LAYER
 
 _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERTS = ".experts.experts."

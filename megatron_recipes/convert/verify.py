@@ -211,8 +211,8 @@ SAME_MODEL_FIELDS = ("family", "num_layers", "hidden_size", "num_attention_heads
 
 def check_same_model(hf_dir: Path, cfg: RunConfig, ckpt: Path) -> None:
     """The HF folder and the checkpoint describe the same architecture (else logits cannot be compared)."""
-    from megatron_recipes.convert import family as families
-    from megatron_recipes.convert.hf_config import load_hf_config
+    from megatron_recipes import families
+    from megatron_recipes.families.hf_config import load_hf_config
 
     hf = load_hf_config(hf_dir)
     fam = families.by_architecture(getattr(hf, "architectures", None), getattr(hf, "model_type", None))

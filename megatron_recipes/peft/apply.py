@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import List
+from typing import Iterable, List, Tuple
 
 import torch
 
 from megatron_recipes.config.errors import RecipeError, ValidationError
+from megatron_recipes.config import peft_methods as methods
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.peft import methods
-from megatron_recipes.peft.counts import ParamTotals, count_parameters
-from megatron_recipes.peft.layout import layout_of
+from megatron_recipes.peft.linears import attention_modules, find_targets, layout_of, present_kinds
 from megatron_recipes.peft.lora import LoRALinear
-from megatron_recipes.peft.prefix import PrefixCoreAttention, PrefixKV
-from megatron_recipes.peft.targets import attention_modules, find_targets, present_kinds
+from megatron_recipes.peft.ptuning import PrefixCoreAttention, PrefixKV
+from megatron_recipes.peft.qlora import NF4ParallelLinear, check_quantizable, quantize_module
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +97,6 @@ def _wrap_linears(chunks: List[torch.nn.Module], cfg: RunConfig, method: methods
     found = find_targets(chunks, list(p.target_modules))
     _check_targets(chunks, cfg, found)
     if method.quantize:
-        from megatron_recipes.peft.quantize import check_quantizable
-
         for targets in found.values():
             for t in targets:
                 check_quantizable(t, p)
@@ -109,8 +106,6 @@ def _wrap_linears(chunks: List[torch.nn.Module], cfg: RunConfig, method: methods
         for t in targets:
             base = t.module
             if method.quantize:
-                from megatron_recipes.peft.quantize import quantize_module
-
                 base = quantize_module(base, p)
             wrapped = LoRALinear(
                 base,
@@ -178,3 +173,93 @@ def apply_peft(model_chunks: List[torch.nn.Module], cfg: RunConfig, report: bool
             print(line, flush=True)
             log.info(line)
     return summary
+
+
+# --- whole-model parameter counts (what PEFT users see at start) ----------------------------------
+# A parameter is counted on the ranks that own a unique piece of it: tensor-parallel shards everywhere,
+# replicated tensors on TP rank 0 only; then dense counts are summed over the TP x PP group and expert
+# counts over the expert TP x EP x PP group. NF4 base weights are not parameters; they count with their
+# logical size (as HF PEFT counts 4-bit weights) and their stored bytes are reported apart.
+
+
+@dataclass
+class ParamTotals:
+    trainable: int
+    total: int
+    quantized_bytes: int  # NF4 storage of quantised base weights (whole model)
+    quantized_numel: int
+
+    @staticmethod
+    def targeted_bf16_bytes(chunks: List[torch.nn.Module], cfg) -> int:
+        """Bytes the base weights that QLoRA will quantise take as bf16 (whole model)."""
+        local_dense = local_expert = 0
+        for name, targets in find_targets(chunks, list(cfg.peft.target_modules)).items():
+            for t in targets:
+                n = t.module.weight.numel() * 2
+                if name.startswith("expert_"):
+                    local_expert += n
+                else:
+                    local_dense += n
+        dense, expert = _reduce([local_dense, 0, 0, 0], [local_expert, 0, 0, 0])
+        return dense[0] + expert[0]
+
+
+def _is_expert(name: str) -> bool:
+    """Routed-expert tensors (split over expert TP x EP) live under ``mlp.experts.``."""
+    return ".experts." in f".{name}"
+
+
+def _unique_here(param: torch.nn.Parameter, expert: bool, tp_rank: int, etp_rank: int) -> bool:
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    return (etp_rank if expert else tp_rank) == 0
+
+
+def _reduce(dense: List[int], expert: List[int]) -> Tuple[List[int], List[int]]:
+    from megatron.core import parallel_state
+
+    d = torch.tensor(dense, dtype=torch.int64)
+    e = torch.tensor(expert, dtype=torch.int64)
+    if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized():
+        torch.distributed.all_reduce(d, group=parallel_state.get_model_parallel_group())
+        torch.distributed.all_reduce(e, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+    return d.tolist(), e.tolist()
+
+
+def _ranks() -> Tuple[int, int]:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 0
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_expert_tensor_parallel_rank()
+
+
+def _local_counts(chunks: Iterable[torch.nn.Module]) -> Tuple[List[int], List[int]]:
+    tp_rank, etp_rank = _ranks()
+    dense = [0, 0, 0, 0]  # trainable, total, quantized bytes, quantized numel
+    expert = [0, 0, 0, 0]
+    for chunk in chunks:
+        first_stage = getattr(chunk, "pre_process", True)
+        for name, param in chunk.named_parameters():
+            if getattr(param, "shared", False) and not first_stage:
+                continue  # tied output weight on the last stage: the embedding already counted it
+            is_expert = _is_expert(name)
+            if not _unique_here(param, is_expert, tp_rank, etp_rank):
+                continue
+            bucket = expert if is_expert else dense
+            bucket[1] += param.numel()
+            if param.requires_grad:
+                bucket[0] += param.numel()
+        for module in chunk.modules():
+            if isinstance(module, NF4ParallelLinear):
+                bucket = expert if module.layout.is_expert else dense
+                bucket[1] += module.weight_numel
+                bucket[2] += module.quantized_nbytes()
+                bucket[3] += module.weight_numel
+    return dense, expert
+
+
+def count_parameters(chunks: List[torch.nn.Module]) -> ParamTotals:
+    dense, expert = _reduce(*_local_counts(chunks))
+    both = [a + b for a, b in zip(dense, expert)]
+    return ParamTotals(trainable=both[0], total=both[1], quantized_bytes=both[2], quantized_numel=both[3])

@@ -1,4 +1,4 @@
-"""LoRA and DoRA adapters around megatron-core's tensor-parallel linears.
+"""LoRA and DoRA adapters around megatron-core's tensor-parallel linears, and merging them into the base.
 
 Split (so no activation-sized communication is added to the base layer's own):
 
@@ -23,15 +23,15 @@ input dimension is an all-reduce of a vector of ``out`` squared sums.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from megatron_recipes.peft import init as pinit
-from megatron_recipes.peft.keys import keep_child_keys
-from megatron_recipes.peft.layout import LinearLayout, layout_of
-from megatron_recipes.peft.nf4_linear import NF4ParallelLinear
+from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.peft.linears import LinearLayout, keep_child_keys, layout_of, make_param, sharded, uniform
+from megatron_recipes.peft.ptuning import PrefixCoreAttention
+from megatron_recipes.peft.qlora import NF4ParallelLinear
 
 
 def _group_rank(group) -> int:
@@ -64,13 +64,13 @@ class LoRALinear(torch.nn.Module):
         tp_rank = _group_rank(lay.tp_group)
         allreduce = base.weight_allreduce if isinstance(base, NF4ParallelLinear) else bool(getattr(base.weight, "allreduce", True))
         a_dim, b_dim = (None, 0) if lay.kind == "column" else (1, None)
-        a = pinit.sharded(pinit.uniform(1.0 / math.sqrt(lay.in_full)), (rank, lay.in_full), seed, f"{name}.lora_a", a_dim, tp_rank, lay.tp_size)
+        a = sharded(uniform(1.0 / math.sqrt(lay.in_full)), (rank, lay.in_full), seed, f"{name}.lora_a", a_dim, tp_rank, lay.tp_size)
         b = torch.zeros(lay.out_local, rank)
-        self.lora_a = pinit.make_param(a, weight_dtype, device, a_dim, allreduce)
-        self.lora_b = pinit.make_param(b, weight_dtype, device, b_dim, allreduce)
+        self.lora_a = make_param(a, weight_dtype, device, a_dim, allreduce)
+        self.lora_b = make_param(b, weight_dtype, device, b_dim, allreduce)
         if dora:
             magnitude = self._weight_norm(with_update=False)
-            self.magnitude = pinit.make_param(magnitude, weight_dtype, device, b_dim, allreduce)
+            self.magnitude = make_param(magnitude, weight_dtype, device, b_dim, allreduce)
         else:
             self.register_parameter("magnitude", None)
         if lay.engine == "local" and lay.kind == "row":
@@ -298,3 +298,38 @@ def _split_te_layernorm_output(result):
     first, bias = result
     out, ln_out = first
     return out, bias, ln_out
+
+
+# --- merge: fold adapters into the base (for export, or serving as is) -----------------------------
+# ``W' = W + s B A`` (LoRA) or ``W' = m / ||W + s B A|| * (W + s B A)`` (DoRA), per rank on its own shard:
+# both factors are split like the base, so no communication is needed beyond DoRA's row norm. An NF4 base
+# is dequantised first (the merged model is what QLoRA trained: the quantised base plus the update).
+
+
+def _replace(chunk: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    setattr(chunk.get_submodule(parent_path) if parent_path else chunk, attr, module)
+
+
+@torch.no_grad()
+def merge_and_unload(chunks: List[torch.nn.Module]) -> int:
+    """Merge every LoRA/DoRA adapter into its base; returns how many modules were merged."""
+    merged = 0
+    for chunk in chunks:
+        wrapped = [(p, m) for p, m in chunk.named_modules() if isinstance(m, (LoRALinear, PrefixCoreAttention))]
+        for path, module in wrapped:
+            if isinstance(module, PrefixCoreAttention):
+                raise RecipeError(
+                    "P-Tuning v2 prefixes are extra keys/values, not a weight update: they cannot be merged into the base",
+                    fix="export LoRA-family runs only (peft.method lora, dora, qlora)",
+                )
+            weight = module.merged_weight()
+            module.remove_hooks()
+            base = module.base
+            if isinstance(base, NF4ParallelLinear):
+                base = base.to_dense(weight)
+            else:
+                base.weight.data.copy_(weight.to(base.weight.dtype))
+            _replace(chunk, path, base)
+            merged += 1
+    return merged

@@ -19,7 +19,7 @@ from megatron_recipes.config.schema import RunConfig
 
 def has_adapters(model: torch.nn.Module) -> bool:
     from megatron_recipes.peft.lora import LoRALinear
-    from megatron_recipes.peft.prefix import PrefixCoreAttention
+    from megatron_recipes.peft.ptuning import PrefixCoreAttention
 
     return any(isinstance(m, (LoRALinear, PrefixCoreAttention)) for m in model.modules())
 
@@ -62,7 +62,8 @@ def prepare_for_training(cfg: RunConfig, chunks) -> Optional["object"]:
     """
     from pathlib import Path
 
-    from megatron_recipes.peft import apply_peft, methods
+    from megatron_recipes.config import peft_methods as methods
+    from megatron_recipes.peft.apply import apply_peft
     from megatron_recipes.training import checkpoint
 
     if methods.parse(cfg.peft.method).none:
@@ -79,6 +80,6 @@ def prepare_for_training(cfg: RunConfig, chunks) -> Optional["object"]:
 
 
 def peft_active(cfg: RunConfig) -> bool:
-    from megatron_recipes.peft import methods
+    from megatron_recipes.config import peft_methods as methods
 
     return not methods.why_not(cfg.peft.method) and not methods.parse(cfg.peft.method).none

@@ -1,7 +1,7 @@
 """Name tables shared by the mixture-of-experts families (not a family itself)."""
 
-from megatron_recipes.convert.family import hf_layer, layer_table
-from megatron_recipes.convert.transforms import Copy, Gated
+from megatron_recipes.families.family import hf_layer, layer_table
+from megatron_recipes.families.transforms import Copy, Gated
 
 
 def routed_experts(router: str, expert: str, gate: str, up: str, down: str):

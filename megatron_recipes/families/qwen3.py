@@ -2,10 +2,10 @@
 
 import dataclasses
 
-from megatron_recipes._conversion import llama
-from megatron_recipes.convert.family import hf_layer, layer_table
-from megatron_recipes.convert.hf_config import dense_from_hf, dense_to_hf, require
-from megatron_recipes.convert.transforms import Copy
+from megatron_recipes.families import llama
+from megatron_recipes.families.family import TINY, hf_layer, layer_table
+from megatron_recipes.families.hf_config import dense_from_hf, dense_to_hf, require
+from megatron_recipes.families.transforms import Copy
 
 QK_NORM = layer_table(
     {
@@ -25,6 +25,12 @@ def config_to_hf(m):
     return {**dense_to_hf(m), "attention_bias": False, "use_sliding_window": False}
 
 
+def tiny_hf_config(**overrides):
+    """GQA, q/k norms and an explicit head_dim (not hidden / heads)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**{**TINY, "num_key_value_heads": 2, "vocab_size": 1000, "head_dim": 32, **overrides})
+
 FAMILY = dataclasses.replace(
     llama.FAMILY,
     name="qwen3",
@@ -33,4 +39,5 @@ FAMILY = dataclasses.replace(
     weights={**llama.FAMILY.weights, **QK_NORM},
     config_from_hf=lambda hf: {**attention_config_from_hf(hf), "family": "qwen3"},
     config_to_hf=config_to_hf,
+    tiny_hf_config=tiny_hf_config,
 )

@@ -1,4 +1,4 @@
-"""A frozen tensor-parallel linear whose weight is stored as NF4 and dequantised on the fly (QLoRA).
+"""QLoRA's base: a frozen tensor-parallel linear whose weight is stored as NF4 and dequantised on the fly.
 
 It replaces a base ``ColumnParallelLinear``/``RowParallelLinear`` (or a TE spec linear) and keeps its
 contract: same input/output layout, same communication through megatron-core's public mapping functions
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.peft import nf4
-from megatron_recipes.peft.keys import keep_child_keys
-from megatron_recipes.peft.layout import LinearLayout
+from megatron_recipes.config.schema import PeftConfig
+from megatron_recipes.peft.linears import LinearLayout, keep_child_keys, layout_of
 
 PartialFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -170,3 +170,32 @@ class NF4ParallelLinear(torch.nn.Module):
             f"NF4ParallelLinear({self.layout.kind}, in={self.layout.in_local}, out={self.layout.out_local}, "
             f"block={self.block_size}, double_quant={self.double_quant_block_size}, backend={self.backend})"
         )
+
+
+# --- replacing the targeted linears by NF4 ones, after checking every one can be quantised -----------
+
+
+def check_quantizable(target, p: PeftConfig) -> None:
+    """Blocks must tile each rank's rows exactly, so TP=1 and TP=N hold the same first-level blocks."""
+    lay = layout_of(target.module)
+    if p.nf4_block_size < 2 or p.nf4_block_size % 2:
+        raise RecipeError(f"peft.nf4_block_size={p.nf4_block_size} must be an even number >= 2", fix="use 64 (QLoRA's value)")
+    if lay.in_local % p.nf4_block_size:
+        raise RecipeError(
+            f"peft.nf4_block_size={p.nf4_block_size} does not divide the {lay.in_local} input features per rank of "
+            f"{target.canonical} ({lay.in_full} in total, split {lay.tp_size} ways)",
+            fix="use a block size that divides it (64 is QLoRA's value) or a tensor-parallel size that keeps it whole",
+        )
+    if p.double_quant and p.double_quant_block_size < 1:
+        raise RecipeError(f"peft.double_quant_block_size={p.double_quant_block_size} must be >= 1", fix="use 256")
+
+
+def quantize_module(base: torch.nn.Module, p: PeftConfig) -> NF4ParallelLinear:
+    backend = resolve_backend(p.nf4_backend, base.weight.device)
+    return NF4ParallelLinear(
+        base,
+        layout_of(base),
+        p.nf4_block_size,
+        p.double_quant_block_size if p.double_quant else None,
+        backend,
+    )

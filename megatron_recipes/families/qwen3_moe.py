@@ -2,9 +2,10 @@
 
 import dataclasses
 
-from megatron_recipes._conversion import _moe, llama, qwen3
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.convert.hf_config import require
+from megatron_recipes.families import _moe, llama, qwen3
+from megatron_recipes.families.family import TINY
+from megatron_recipes.families.hf_config import require
 
 MOE = _moe.routed_experts("mlp.gate.weight", "mlp.experts.{expert}", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
@@ -46,6 +47,13 @@ def config_to_hf(m):
     }
 
 
+def tiny_hf_config(**overrides):
+    """GQA, q/k norms with an explicit head_dim, 4 experts, top-2."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**{**TINY, "num_key_value_heads": 2, "vocab_size": 1000, "moe_intermediate_size": 32, "num_experts": 4,
+                             "num_experts_per_tok": 2, "head_dim": 16, **overrides})
+
 FAMILY = dataclasses.replace(
     llama.FAMILY,
     name="qwen3_moe",
@@ -54,4 +62,5 @@ FAMILY = dataclasses.replace(
     weights={**llama.EMBEDDINGS, **llama.ATTENTION, **qwen3.QK_NORM, **llama.DENSE_MLP, **MOE},
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
+    tiny_hf_config=tiny_hf_config,
 )

@@ -2,10 +2,10 @@
 
 import dataclasses
 
-from megatron_recipes._conversion import llama
-from megatron_recipes.convert.family import hf_layer, layer_table
-from megatron_recipes.convert.hf_config import dense_from_hf, dense_to_hf, require
-from megatron_recipes.convert.transforms import QKV
+from megatron_recipes.families import llama
+from megatron_recipes.families.family import TINY, hf_layer, layer_table
+from megatron_recipes.families.hf_config import dense_from_hf, dense_to_hf, require
+from megatron_recipes.families.transforms import QKV
 
 QKV_BIAS = layer_table(
     {
@@ -25,6 +25,12 @@ def config_to_hf(m):
     return {**dense_to_hf(m), "use_sliding_window": False}
 
 
+def tiny_hf_config(**overrides):
+    """GQA, QKV biases and tied embeddings."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**{**TINY, "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": True, **overrides})
+
 FAMILY = dataclasses.replace(
     llama.FAMILY,
     name="qwen2",
@@ -33,4 +39,5 @@ FAMILY = dataclasses.replace(
     weights={**llama.FAMILY.weights, **QKV_BIAS},
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
+    tiny_hf_config=tiny_hf_config,
 )

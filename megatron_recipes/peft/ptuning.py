@@ -26,8 +26,7 @@ from typing import Optional, Tuple
 import torch
 
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.peft import init as pinit
-from megatron_recipes.peft.keys import keep_child_keys
+from megatron_recipes.peft.linears import keep_child_keys, make_param, normal, sharded, uniform
 
 
 class PrefixKV(torch.nn.Module):
@@ -45,18 +44,18 @@ class PrefixKV(torch.nn.Module):
         std = config.init_method_std
         if not projection:
             for part in ("key", "value"):
-                full = pinit.sharded(pinit.normal(std), (length, groups, head_dim), seed, f"{name}.prefix.{part}", 1, rank, tp)
-                setattr(self, part, pinit.make_param(full, dtype, dev, 1))
+                full = sharded(normal(std), (length, groups, head_dim), seed, f"{name}.prefix.{part}", 1, rank, tp)
+                setattr(self, part, make_param(full, dtype, dev, 1))
             return
         h = config.hidden_size
-        self.embedding = pinit.make_param(pinit.sharded(pinit.normal(1.0), (length, h), seed, f"{name}.prefix.embedding"), dtype, dev, None)
-        w1 = pinit.sharded(pinit.uniform(1 / math.sqrt(h)), (hidden, h), seed, f"{name}.prefix.w1")
-        self.w1 = pinit.make_param(w1, dtype, dev, None)
-        self.b1 = pinit.make_param(torch.zeros(hidden), dtype, dev, None)
+        self.embedding = make_param(sharded(normal(1.0), (length, h), seed, f"{name}.prefix.embedding"), dtype, dev, None)
+        w1 = sharded(uniform(1 / math.sqrt(h)), (hidden, h), seed, f"{name}.prefix.w1")
+        self.w1 = make_param(w1, dtype, dev, None)
+        self.b1 = make_param(torch.zeros(hidden), dtype, dev, None)
         # rows ordered [group, key|value, head_dim] so a contiguous split by group is the TP split
-        w2 = pinit.sharded(pinit.uniform(1 / math.sqrt(hidden)), (groups, 2, head_dim, hidden), seed, f"{name}.prefix.w2", 0, rank, tp)
-        self.w2 = pinit.make_param(w2.reshape(-1, hidden), dtype, dev, 0)
-        self.b2 = pinit.make_param(torch.zeros(self.local_groups * 2 * head_dim), dtype, dev, 0)
+        w2 = sharded(uniform(1 / math.sqrt(hidden)), (groups, 2, head_dim, hidden), seed, f"{name}.prefix.w2", 0, rank, tp)
+        self.w2 = make_param(w2.reshape(-1, hidden), dtype, dev, 0)
+        self.b2 = make_param(torch.zeros(self.local_groups * 2 * head_dim), dtype, dev, 0)
 
     def tp_axes(self) -> dict:
         return {"key": 1, "value": 1} if not self.projection else {"w2": 0, "b2": 0}

@@ -5,7 +5,7 @@ the run's ``checkpoint.pretrained`` (QLoRA: quantised again, deterministically),
 checkpoint, on one process at TP=PP=1 (megatron-core's dist-checkpointing reshards whatever layout the
 run used). Then:
 
-* merged: adapters folded into the base (``peft.merge``), written as a weights-only checkpoint to a
+* merged: adapters folded into the base (``peft.lora.merge_and_unload``), written as a weights-only checkpoint to a
   private temporary folder and handed to the conversion engine's HF export (name tables, QKV/gated
   splits, config and tokenizer files); the temporary checkpoint is removed afterwards;
 * adapter only: ``adapter_config.json`` + ``adapter_model.safetensors`` with HF PEFT's key names on the
@@ -29,8 +29,31 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_recipes.config import peft_methods as methods
+from megatron_recipes.config.compose import from_yaml
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import ParallelConfig, PeftConfig, RunConfig
+from megatron_recipes import families
+from megatron_recipes.convert import staging
+from megatron_recipes.convert.exporter import DEFAULT_MAX_SHARD, find_assets, hf_config_for, run_export
+from megatron_recipes.convert.layout import with_parallel
+from megatron_recipes.convert.safetensors_io import INDEX_NAME
+from megatron_recipes.families.transforms import Ctx
+from megatron_recipes.convert.verify import (
+    SMALL_MODEL_PARAMS,
+    TOLERANCE,
+    compare,
+    forward_logits,
+    hf_logits,
+    prompt_tokens,
+    table,
+)
+from megatron_recipes.models.builder import build_model_chunks
+from megatron_recipes.peft.lora import LoRALinear, merge_and_unload
+from megatron_recipes.peft.state import peft_active, prepare_for_training
+from megatron_recipes.plan.params import model_params
+from megatron_recipes.runtime.distributed import init_model_parallel, shutdown
+from megatron_recipes.training import checkpoint, checkpoint_store as store
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -52,26 +75,17 @@ class PeftExportReport:
 
 
 def run_config_of(ckpt: Path) -> Tuple[Path, RunConfig, dict]:
-    from megatron_recipes.config.compose import from_yaml
-    from megatron_recipes.training import checkpoint_store as store
-
     resolved = store.resolve_dir(Path(ckpt))
     return resolved, from_yaml(resolved / store.CONFIG), store.read_meta(resolved)
 
 
 def is_peft_checkpoint(ckpt: Path) -> bool:
-    from megatron_recipes.peft.state import peft_active
-
     _, cfg, _ = run_config_of(ckpt)
     return peft_active(cfg)
 
 
 def _single_rank(cfg: RunConfig) -> RunConfig:
     """One rank, TP=PP=1; float32 for models small enough to verify (exact merge and logits check)."""
-    from megatron_recipes.convert.layout import with_parallel
-    from megatron_recipes.convert.verify import SMALL_MODEL_PARAMS
-    from megatron_recipes.plan.params import model_params
-
     single = with_parallel(cfg, ParallelConfig(), world=1)
     if model_params(single).total <= SMALL_MODEL_PARAMS:
         precision = dataclasses.replace(single.precision, name="fp32", params_dtype="fp32", fp8=None, fp4=None)
@@ -81,11 +95,6 @@ def _single_rank(cfg: RunConfig) -> RunConfig:
 
 def load_trained(ckpt: Path):
     """``(cfg, chunks, meta)``: the run's model on this one process, base + adapters, ready to use."""
-    from megatron_recipes.models.builder import build_model_chunks
-    from megatron_recipes.peft.state import peft_active, prepare_for_training
-    from megatron_recipes.runtime.distributed import init_model_parallel
-    from megatron_recipes.training import checkpoint
-
     resolved, run_cfg, meta = run_config_of(ckpt)
     if not peft_active(run_cfg):
         raise RecipeError(
@@ -115,10 +124,6 @@ def _family_key(path: str) -> Tuple[str, int]:
 
 def adapter_tensors(cfg: RunConfig, chunk: torch.nn.Module, flags: Dict, dtype: Optional[torch.dtype]):
     """HF PEFT state dict (name -> tensor) and the HF module leaf names adapted, from a TP=1 chunk."""
-    from megatron_recipes.convert import family as families
-    from megatron_recipes.convert.transforms import Ctx
-    from megatron_recipes.peft.lora import LoRALinear
-
     family = families.by_name(cfg.model.family)
     tensors: Dict[str, torch.Tensor] = {}
     leaves = set()
@@ -176,9 +181,6 @@ def _looks_like_adapter(path: Path) -> bool:
 
 
 def _hf_flags(cfg: RunConfig, resolved: Path, hf_assets: Optional[Path]) -> Tuple[Dict, Optional[Path]]:
-    from megatron_recipes.convert import family as families
-    from megatron_recipes.convert.exporter import find_assets, hf_config_for
-
     family = families.by_name(cfg.model.family)
     assets = find_assets(resolved, cfg, hf_assets)
     hf_config = hf_config_for(cfg, family, assets, torch.float32)
@@ -189,11 +191,7 @@ def export_adapter(
     ckpt: Path, out_dir: Path, overwrite: bool = False, hf_assets: Optional[Path] = None, dtype: Optional[str] = None
 ) -> PeftExportReport:
     """An HF PEFT LoRA/DoRA adapter directory for the HF export of the run's base model."""
-    from safetensors.torch import save_file
-
-    from megatron_recipes.convert import staging
-    from megatron_recipes.peft import methods
-    from megatron_recipes.runtime.distributed import shutdown
+    from safetensors.torch import save_file  # on use: the module imports without it
 
     out_dir = Path(out_dir).expanduser()
     staging.check_target(out_dir, overwrite, _looks_like_adapter, "adapter folder")
@@ -229,14 +227,6 @@ def export_merged(
     progress: bool = True,
 ):
     """Merged HF weights through the conversion engine's export; returns its ``ExportReport``."""
-    from megatron_recipes.convert.exporter import DEFAULT_MAX_SHARD, run_export
-    from megatron_recipes.peft.merge import merge_and_unload
-    from megatron_recipes.runtime.distributed import shutdown
-    from megatron_recipes.training import checkpoint
-
-    from megatron_recipes.convert import staging
-    from megatron_recipes.convert.safetensors_io import INDEX_NAME
-
     hf_dir = Path(hf_dir).expanduser()
     staging.check_target(hf_dir, overwrite, lambda p: (p / INDEX_NAME).exists() or (p / "config.json").exists(), "hf_dir")
     resolved, run_cfg, meta = run_config_of(ckpt)
@@ -269,8 +259,6 @@ def export_merged(
 
 
 def our_logits(cfg: RunConfig, chunks, tokens: torch.Tensor) -> torch.Tensor:
-    from megatron_recipes.convert.verify import forward_logits
-
     return forward_logits(cfg, chunks, tokens)
 
 
@@ -279,7 +267,6 @@ def _verify_against(reference: torch.Tensor, ours: torch.Tensor, label: str, exa
 
     Not exact: bf16 models, and a QLoRA adapter on the dense HF base (training saw the NF4 base, so the
     difference is the quantisation error; a merged QLoRA export folds the dequantised base in and is exact)."""
-    from megatron_recipes.convert.verify import TOLERANCE, compare, table
 
     metrics = compare(reference, ours)
     print(table([(label, metrics)], TOLERANCE if exact else float("inf")), flush=True)
@@ -294,16 +281,12 @@ def _verify_against(reference: torch.Tensor, ours: torch.Tensor, label: str, exa
 
 def cli_export(opts: Dict[str, str], flags: Dict[str, object], adapter_only: bool, max_shard_bytes: Optional[int]) -> int:
     """Export a PEFT checkpoint; with verification, compare HF logits with the trained model's."""
-    from megatron_recipes.convert.verify import hf_logits, prompt_tokens
-
     ckpt, out = Path(opts["ckpt_dir"]), Path(opts["hf_dir"])
     assets = Path(opts["hf_assets"]) if opts.get("hf_assets") else None
     dtype = opts.get("dtype") or None
     verify = _should_verify(ckpt, flags)
     reference = None
     if verify:  # the trained model's own logits, before anything is merged or split
-        from megatron_recipes.runtime.distributed import shutdown
-
         try:
             cfg, chunks, _ = load_trained(ckpt)
             tokens = prompt_tokens(cfg.model.vocab_size)
@@ -325,9 +308,7 @@ def cli_export(opts: Dict[str, str], flags: Dict[str, object], adapter_only: boo
     return 0
 
 
-def methods_of(cfg: RunConfig):
-    from megatron_recipes.peft import methods
-
+def methods_of(cfg: RunConfig) -> methods.Method:
     return methods.parse(cfg.peft.method)
 
 
@@ -339,7 +320,6 @@ def peft_logits(ckpt: Path, adapter_dir: Path, tokens: torch.Tensor, assets: Opt
         from peft import PeftModel
     except ImportError:
         raise RecipeError("checking an adapter export needs the peft package", fix="pip install peft, or pass --no-verify") from None
-    from megatron_recipes.convert.exporter import run_export
 
     _, run_cfg, _ = run_config_of(ckpt)
     with tempfile.TemporaryDirectory(prefix=".peft-base-", dir=str(Path(adapter_dir).parent)) as tmp:
@@ -356,9 +336,6 @@ def peft_logits(ckpt: Path, adapter_dir: Path, tokens: torch.Tensor, assets: Opt
 
 def _should_verify(ckpt: Path, flags: Dict[str, object]) -> bool:
     """As the conversion engine decides: on request, else for models up to its small-model size."""
-    from megatron_recipes.convert.verify import SMALL_MODEL_PARAMS
-    from megatron_recipes.plan.params import model_params
-
     if flags.get("verify") and flags.get("no-verify"):
         raise RecipeError("--verify and --no-verify contradict each other", fix="pass one of them")
     if flags.get("verify") or flags.get("no-verify"):

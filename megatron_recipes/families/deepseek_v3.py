@@ -7,11 +7,11 @@ the q and k-rope projections interleaved, as HF's default ``rope_interleave: tru
 with ``rope_interleave: false`` is permuted once on import (``RopeRows``).
 """
 
-from megatron_recipes._conversion import _moe, llama
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.convert.family import Family, hf_layer, layer_table
-from megatron_recipes.convert.hf_config import dense_from_hf, dense_to_hf, require
-from megatron_recipes.convert.transforms import Copy, Gated, RopeRows
+from megatron_recipes.families import _moe, llama
+from megatron_recipes.families.family import TINY, Family, hf_layer, layer_table
+from megatron_recipes.families.hf_config import dense_from_hf, dense_to_hf, require
+from megatron_recipes.families.transforms import Copy, Gated, RopeRows
 
 
 def _q_block(m):
@@ -121,6 +121,20 @@ def _mtp_layers(hf):
     return tuple(rf"model\.layers\.{i}\..*" for i in range(first, first + extra))
 
 
+def tiny_hf_config(**overrides):
+    """MLA with YaRN, a dense first layer, 4 sigmoid-routed experts in 2 groups and a shared expert."""
+    from transformers import DeepseekV3Config
+
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    return DeepseekV3Config(**{
+        **TINY, "vocab_size": 1000, "num_key_value_heads": 4, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+        "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+        "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "rope_parameters": yarn, **overrides,
+    })
+
+
 FAMILY = Family(
     name="deepseek_v3",
     architectures=("DeepseekV3ForCausalLM",),
@@ -131,4 +145,5 @@ FAMILY = Family(
     flags_from_hf=lambda hf: {"rope_interleave": bool(getattr(hf, "rope_interleave", True))},
     ignored_from_hf=_mtp_layers,
     notes="multi-token-prediction layers are skipped (mtp_num_layers: null)",
+    tiny_hf_config=tiny_hf_config,
 )

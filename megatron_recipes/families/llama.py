@@ -1,8 +1,8 @@
 """Llama 2 / 3 / 3.1 (``LlamaForCausalLM``, llama3 RoPE scaling included): the dense core others reuse."""
 
-from megatron_recipes.convert.family import Family, hf_layer, layer_table
-from megatron_recipes.convert.hf_config import dense_from_hf, dense_to_hf, require
-from megatron_recipes.convert.transforms import QKV, Copy, Gated, Vocab
+from megatron_recipes.families.family import TINY, Family, hf_layer, layer_table
+from megatron_recipes.families.hf_config import dense_from_hf, dense_to_hf, require
+from megatron_recipes.families.transforms import QKV, Copy, Gated, Vocab
 
 EMBEDDINGS = {
     "embedding.word_embeddings.weight": Vocab("model.embed_tokens.weight"),
@@ -40,6 +40,15 @@ def config_to_hf(m):
     return {**dense_to_hf(m), "attention_bias": False, "mlp_bias": False}
 
 
+def tiny_hf_config(**overrides):
+    """GQA (2 query groups under 4 heads) and llama3 RoPE scaling; the vocabulary forces padding."""
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    return LlamaConfig(**{**TINY, "num_key_value_heads": 2, "vocab_size": 1000, "rope_parameters": rope, **overrides})
+
+
 FAMILY = Family(
     name="llama",
     architectures=("LlamaForCausalLM",),
@@ -47,4 +56,5 @@ FAMILY = Family(
     weights={**EMBEDDINGS, **ATTENTION, **DENSE_MLP},
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
+    tiny_hf_config=tiny_hf_config,
 )

@@ -1,4 +1,7 @@
-"""``peft.method`` strings -> what to build. One place decides which adapter types combine."""
+"""``peft.method`` strings -> what to build, and the module names adapters can target.
+
+One place decides which adapter types combine; the rule table and ``peft/`` both read it.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ from dataclasses import dataclass
 from megatron_recipes.config.errors import RecipeError
 
 METHODS = ("none", "lora", "dora", "qlora", "ptuning")
+# megatron-core module names as recipes give them in peft.target_modules (expert_*: routed experts)
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "expert_fc1", "expert_fc2")
 COMBINATIONS = {
     frozenset(["none"]): "none",
     frozenset(["lora"]): "lora",

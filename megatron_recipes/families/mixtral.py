@@ -2,8 +2,9 @@
 
 import dataclasses
 
-from megatron_recipes._conversion import _moe, llama
-from megatron_recipes.convert.hf_config import dense_from_hf, dense_to_hf, sliding_window_from_hf
+from megatron_recipes.families import _moe, llama
+from megatron_recipes.families.family import TINY
+from megatron_recipes.families.hf_config import dense_from_hf, dense_to_hf, sliding_window_from_hf
 
 MOE = _moe.routed_experts("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{expert}", "w1.weight", "w3.weight", "w2.weight")
 
@@ -33,6 +34,14 @@ def config_to_hf(m):
     }
 
 
+def tiny_hf_config(**overrides):
+    """GQA, 4 experts, top-2."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        **{**TINY, "num_key_value_heads": 2, "vocab_size": 1000, "num_local_experts": 4, "num_experts_per_tok": 2, **overrides}
+    )
+
 FAMILY = dataclasses.replace(
     llama.FAMILY,
     name="mixtral",
@@ -41,4 +50,5 @@ FAMILY = dataclasses.replace(
     weights={**llama.EMBEDDINGS, **llama.ATTENTION, **MOE},
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
+    tiny_hf_config=tiny_hf_config,
 )

@@ -2,8 +2,9 @@
 
 import dataclasses
 
-from megatron_recipes._conversion import llama
-from megatron_recipes.convert.hf_config import dense_from_hf, dense_to_hf, sliding_window_from_hf
+from megatron_recipes.families import llama
+from megatron_recipes.families.family import TINY
+from megatron_recipes.families.hf_config import dense_from_hf, dense_to_hf, sliding_window_from_hf
 
 
 def config_from_hf(hf):
@@ -14,6 +15,12 @@ def config_to_hf(m):
     return {**dense_to_hf(m), "sliding_window": m.sliding_window}
 
 
+def tiny_hf_config(**overrides):
+    """GQA and a sliding window shorter than the test prompt."""
+    from transformers import MistralConfig
+
+    return MistralConfig(**{**TINY, "num_key_value_heads": 2, "vocab_size": 1100, "sliding_window": 5, **overrides})
+
 FAMILY = dataclasses.replace(
     llama.FAMILY,
     name="mistral",
@@ -21,4 +28,5 @@ FAMILY = dataclasses.replace(
     model_type="mistral",
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
+    tiny_hf_config=tiny_hf_config,
 )

@@ -1,1 +1,0 @@
-"""Declarative HF <-> Megatron mappings, one small file per model family."""
