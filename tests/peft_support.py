@@ -248,7 +248,7 @@ def train_and_save(world: int, run_dir: str, pretrained: str, steps: int, *overr
     from megatron_recipes.models.builder import build_model_chunks
     from megatron_recipes.peft.state import prepare_for_training
     from megatron_recipes.runtime.distributed import init_model_parallel
-    from megatron_recipes.training import checkpoint
+    from megatron_recipes.checkpoint import _save_load as checkpoint
 
     cfg = tiny_cfg(world, f"checkpoint.pretrained={pretrained}", f"run.dir={run_dir}", *overrides)
     init_model_parallel(cfg)

@@ -21,7 +21,7 @@ def _save_on_full_disk(tmp: str):
     import torch
 
     from megatron_recipes.config.errors import RecipeError
-    from megatron_recipes.training import checkpoint as ck
+    from megatron_recipes.checkpoint import _save_load as ck
 
     out = {}
     t = cs.Trainer(cs.tiny_cfg(str(Path(tmp) / "run")))

@@ -36,7 +36,7 @@ def _expect_error(fn, *needles):
 
 
 def _one_rank(tmp: str):
-    from megatron_recipes.training import checkpoint as ck
+    from megatron_recipes.checkpoint import _save_load as ck
 
     tmp = Path(tmp)
     out = {}

@@ -25,7 +25,7 @@ def _rank(root: str):
 
     from megatron_recipes.models.builder import build_model_chunks
     from megatron_recipes.runtime.distributed import init_model_parallel
-    from megatron_recipes.training import checkpoint, checkpoint_io
+    from megatron_recipes.checkpoint import _save_load as checkpoint, _mcore as checkpoint_io
 
     cfg = tiny_cfg(str(Path(root) / "run"))
     init_model_parallel(cfg)

@@ -31,7 +31,7 @@ STATE = {"step": 2, "consumed_samples": 2 * cs.GBS}
 
 
 def _save(trainer, root: Path, state):
-    from megatron_recipes.training.checkpoint import save_checkpoint
+    from megatron_recipes.checkpoint._save_load import save_checkpoint
 
     return save_checkpoint(root, state["step"], trainer.model, trainer.optimizer, trainer.scheduler, state, trainer.cfg,
                            keep_last=2)
@@ -62,7 +62,7 @@ def _rank_a(run_dir: str, extra=()):
 
 
 def _resume_fsdp(run_dir: str, extra=()):
-    from megatron_recipes.training.checkpoint import load_checkpoint, resolve_load
+    from megatron_recipes.checkpoint._save_load import load_checkpoint, resolve_load
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, world=2, extra=[*FSDP, *extra]), seed=77)
     path = resolve_load(t.cfg)
@@ -76,7 +76,7 @@ def _resume_fsdp(run_dir: str, extra=()):
 
 def _weights_into(run_dir: str, ckpt: str, **layout):
     from megatron_recipes.config.errors import RecipeError
-    from megatron_recipes.training.checkpoint import load_checkpoint, load_weights
+    from megatron_recipes.checkpoint._save_load import load_checkpoint, load_weights
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, world=2, **layout), seed=77)
     try:  # resuming the FSDP optimizer state in this layout is refused before any tensor is read
@@ -95,7 +95,7 @@ def _fsdp_from_torch_dist(run_dir: str, ckpt: str):
     from megatron_recipes.models.builder import build_model_chunks
     from megatron_recipes.runtime import distributed
     from megatron_recipes.training import optim, step
-    from megatron_recipes.training.checkpoint import load_checkpoint, load_weights
+    from megatron_recipes.checkpoint._save_load import load_checkpoint, load_weights
 
     t = cs.Trainer.__new__(cs.Trainer)
     t.cfg = cs.tiny_cfg(run_dir, world=2, extra=FSDP)
@@ -134,7 +134,7 @@ def _rank_b(run_dir: str, ckpt: str):
 def _fsdp_other_layout(run_dir: str, ckpt: str):
     """Megatron-FSDP at TP=2 (DP=1) resuming the TP=1/DP=2 FSDP checkpoint: refused before any tensor is read."""
     from megatron_recipes.config.errors import RecipeError
-    from megatron_recipes.training.checkpoint import load_checkpoint
+    from megatron_recipes.checkpoint._save_load import load_checkpoint
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, tp=2, world=2, extra=FSDP), seed=77)
     try:

@@ -38,7 +38,7 @@ import sys
 sys.path.insert(0, {tests!r})
 import torch
 import checkpoint_support as cs
-from megatron_recipes.training.checkpoint import checkpoints_root, save_checkpoint
+from megatron_recipes.checkpoint._save_load import checkpoints_root, save_checkpoint
 
 t = cs.Trainer(cs.tiny_cfg({run_dir!r}, extra={big!r}))
 root = checkpoints_root(t.cfg)
@@ -62,7 +62,7 @@ def _wait_for(predicate, timeout: float, poll: float = 0.005) -> bool:
 
 
 def _resume(run_dir: str):
-    from megatron_recipes.training import checkpoint as ck
+    from megatron_recipes.checkpoint import _save_load as ck
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, extra=BIG), seed=3)
     path = ck.resolve_load(t.cfg)
@@ -98,7 +98,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     assert staging.is_dir() and not (staging / "meta.json").exists()  # a torn save was left behind ...
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
-    from megatron_recipes.training.checkpoint import find_latest
+    from megatron_recipes.checkpoint._save_load import find_latest
 
     assert find_latest(root) == root / "iter_0000001"  # ... and ignored
     checksum = float(text.split("CHECKSUM", 1)[1].split()[0])

@@ -27,7 +27,7 @@ STATE = {"step": 2, "consumed_samples": 2 * cs.GBS, "data": {"epoch": 0, "offset
 
 
 def _save(trainer, root, step, state, keep_last=2):
-    from megatron_recipes.training.checkpoint import save_checkpoint
+    from megatron_recipes.checkpoint._save_load import save_checkpoint
 
     return save_checkpoint(
         Path(root), step, trainer.model, trainer.optimizer, trainer.scheduler, state, trainer.cfg, keep_last=keep_last
@@ -53,7 +53,7 @@ def _rank_a(run_dir: str):
 
 
 def _rank_b(run_dir: str):
-    from megatron_recipes.training.checkpoint import load_checkpoint, resolve_load
+    from megatron_recipes.checkpoint._save_load import load_checkpoint, resolve_load
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, tp=2, world=2), seed=77)  # other init: the load must overwrite it
     path = resolve_load(t.cfg)  # checkpoint.load=auto
@@ -71,7 +71,7 @@ def _rank_b(run_dir: str):
 
 
 def _rank_c(run_dir: str, ckpt: str):
-    from megatron_recipes.training.checkpoint import load_checkpoint
+    from megatron_recipes.checkpoint._save_load import load_checkpoint
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, tp=1, world=2), seed=77)
     state = load_checkpoint(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
@@ -80,7 +80,7 @@ def _rank_c(run_dir: str, ckpt: str):
 
 
 def _rank_d(run_dir: str, ckpt: str):
-    from megatron_recipes.training.checkpoint import load_checkpoint, load_weights
+    from megatron_recipes.checkpoint._save_load import load_checkpoint, load_weights
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, pp=2, vpp=2, world=2), seed=77)
     load_weights(Path(ckpt), t.model, t.cfg)
@@ -91,7 +91,7 @@ def _rank_d(run_dir: str, ckpt: str):
 
 
 def _rank_e(run_dir: str, ckpt: str):
-    from megatron_recipes.training.checkpoint import load_checkpoint
+    from megatron_recipes.checkpoint._save_load import load_checkpoint
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, tp=2, world=2), seed=77)
     state = load_checkpoint(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
@@ -99,7 +99,7 @@ def _rank_e(run_dir: str, ckpt: str):
 
 
 def _rank_f(run_dir: str, ckpt: str):
-    from megatron_recipes.training.checkpoint import load_checkpoint
+    from megatron_recipes.checkpoint._save_load import load_checkpoint
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, pp=2, world=2), seed=77)
     state = load_checkpoint(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
@@ -187,7 +187,7 @@ MOE = ["model=tiny_moe", "model.moe_ffn_hidden_size=64", "model.rotary_base=1000
 
 def _rank_moe(run_dir: str):
     """EP=2 trains and saves; then the same ranks rebuild at EP=1 (experts replicated) and resume it."""
-    from megatron_recipes.training.checkpoint import load_checkpoint
+    from megatron_recipes.checkpoint._save_load import load_checkpoint
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, world=2, extra=MOE + ["parallel.ep=2"]))
     t.train(1, 2)
@@ -208,7 +208,7 @@ def test_moe_expert_parallel_resharding(tmp_path):
 
 def _rank_dense_first_stage(run_dir: str):
     """PP=2 x EP=2 with the first stage's layers dense: its expert optimizer holds no parameter there."""
-    from megatron_recipes.training.checkpoint import load_checkpoint
+    from megatron_recipes.checkpoint._save_load import load_checkpoint
 
     extra = MOE + ["model.moe_first_dense_layers=2", "parallel.ep=2"]
     t = cs.Trainer(cs.tiny_cfg(run_dir, pp=2, world=4, extra=extra))

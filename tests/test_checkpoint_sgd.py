@@ -17,7 +17,7 @@ SGD = ["optimizer=sgd", "optimizer.lr=1e-2", "optimizer.sgd_momentum=0.9", "opti
 
 def _one_rank(tmp: str):
     from megatron_recipes.config.errors import RecipeError
-    from megatron_recipes.training import checkpoint as ck
+    from megatron_recipes.checkpoint import _save_load as ck
 
     tmp, out = Path(tmp), {}
     cfg = cs.tiny_cfg(str(tmp / "sgd"), extra=SGD)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.training import checkpoint_identity as identity
-from megatron_recipes.training import checkpoint_io as io
-from megatron_recipes.training import checkpoint_store as store
+from megatron_recipes.checkpoint import _identity as identity
+from megatron_recipes.checkpoint import _mcore as io
+from megatron_recipes.checkpoint import _files as store
 
 
 def _fake(root: Path, step: int, *, name=None, meta=True, complete=True, mcore=store.MCORE_FILES) -> Path:

@@ -49,7 +49,7 @@ def _attempt(fn):
 
 
 def _one_rank(tmp: str):
-    from megatron_recipes.training import checkpoint as ck
+    from megatron_recipes.checkpoint import _save_load as ck
 
     tmp, out = Path(tmp), {}
     t = cs.Trainer(cs.tiny_cfg(str(tmp / "run")))
@@ -90,7 +90,7 @@ def test_crafted_checkpoint_files_run_nothing(tmp_path):
 def test_converter_reader_refuses_a_crafted_index(tmp_path, monkeypatch):
     from megatron_recipes.config.errors import RecipeError
     from megatron_recipes.convert.dcp_io import CheckpointReader
-    from megatron_recipes.training.checkpoint_trust import TRUST_ENV
+    from megatron_recipes.checkpoint._trust import TRUST_ENV
 
     monkeypatch.delenv(TRUST_ENV, raising=False)
     sentinel = tmp_path / "SENTINEL"

@@ -79,7 +79,7 @@ def _max_abs(a, b):
 
 def test_checkpoints_hold_adapters_only(env):
     from megatron_recipes.convert.dcp_io import CheckpointReader
-    from megatron_recipes.training.checkpoint import find_latest
+    from megatron_recipes.checkpoint._save_load import find_latest
 
     _, runs, _ = env
     keys = [k for k in CheckpointReader(find_latest(runs["lora"] / "checkpoints")).tensors() if not k.startswith("optimizer")]

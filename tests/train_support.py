@@ -125,7 +125,8 @@ def _save_initial_weights(recipe: str, overrides: Sequence[str], root: str) -> s
     from megatron_recipes.config.compose import compose_recipe
     from megatron_recipes.models.builder import build_model_chunks
     from megatron_recipes.runtime import distributed
-    from megatron_recipes.training import checkpoint, optim
+    from megatron_recipes.checkpoint import _save_load as checkpoint
+    from megatron_recipes.training import optim
 
     cfg = compose_recipe(recipe, list(overrides))
     distributed.init_model_parallel(cfg)

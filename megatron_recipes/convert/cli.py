@@ -193,7 +193,7 @@ def main(argv: List[str]) -> int:
     if action == "verify" and (args.flags.get("overwrite") or args.flags.get("no-verify")):
         raise RecipeError(f"{PROG} verify takes no --overwrite/--no-verify", fix="drop the flag")
     if args.flags.get("trust-checkpoint"):  # let its pickled objects run code: only for checkpoints you trust
-        from megatron_recipes.training.checkpoint_trust import TRUST_ENV
+        from megatron_recipes.checkpoint._trust import TRUST_ENV
 
         os.environ[TRUST_ENV] = "1"
     return handler(args.overrides, args.flags)

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.convert.target import Item
-from megatron_recipes.training.checkpoint_trust import restricted_loading
+from megatron_recipes.checkpoint._trust import restricted_loading
 
 Produce = Callable[[Item], torch.Tensor]
 
@@ -205,7 +205,7 @@ class CheckpointReader:
         RecipeError naming the tensor and the cause (not torch's per-rank tracebacks)."""
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-        from megatron_recipes.training.checkpoint_io import root_cause
+        from megatron_recipes.checkpoint._mcore import root_cause
 
         try:
             return self._read(item, dtype)

@@ -119,8 +119,8 @@ def run_export(
 ) -> ExportReport:
     from megatron_recipes.progress import Progress
     from megatron_recipes.config.compose import from_yaml
-    from megatron_recipes.training import checkpoint_identity as identity
-    from megatron_recipes.training import checkpoint_store as store
+    from megatron_recipes.checkpoint import _identity as identity
+    from megatron_recipes.checkpoint import _files as store
 
     began = time.perf_counter()
     hf_dir = Path(hf_dir).expanduser()

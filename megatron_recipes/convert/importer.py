@@ -171,7 +171,7 @@ def train_command(out_dir: Path, model_name: str, recipe: str = "<recipe>") -> s
 
 
 def looks_like_import(path: Path) -> bool:
-    from megatron_recipes.training import checkpoint_store as store
+    from megatron_recipes.checkpoint import _files as store
 
     return (path / store.TRACKER).exists() and (path / MODEL_GROUP).is_dir()
 
@@ -186,8 +186,8 @@ def run_import(
 ) -> ImportReport:
     """Convert ``hf_dir`` into a checkpoint root at ``out_dir`` for ``parallel``; see the module docstring."""
     from megatron_recipes.progress import Progress
-    from megatron_recipes.training import checkpoint as engine
-    from megatron_recipes.training import checkpoint_store as store
+    from megatron_recipes.checkpoint import _save_load as engine
+    from megatron_recipes.checkpoint import _files as store
 
     began = time.perf_counter()
     out_dir = Path(out_dir).expanduser()

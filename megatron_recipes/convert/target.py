@@ -102,7 +102,7 @@ def checkpoint_layout(cfg: RunConfig, state: Optional[Dict[str, object]] = None)
     from megatron_recipes.models.builder import build_gpt_model
     from megatron_recipes.models.transformer_config import build_transformer_config
     from megatron_recipes.runtime.distributed import init_model_parallel, shutdown
-    from megatron_recipes.training import checkpoint_io as engine_io
+    from megatron_recipes.checkpoint import _mcore as engine_io
 
     meta = _meta_config(cfg)
     init_model_parallel(meta)

@@ -103,7 +103,7 @@ class Job:
 def checkpoint_config(ckpt: Path, parallel: ParallelConfig, world: int) -> RunConfig:
     """The checkpoint's own recipe in float32 at ``parallel``, padding the vocabulary to its row count."""
     from megatron_recipes.config.compose import from_yaml
-    from megatron_recipes.training import checkpoint_store as store
+    from megatron_recipes.checkpoint import _files as store
 
     resolved = store.resolve_dir(Path(ckpt))
     cfg = from_yaml(resolved / store.CONFIG)
@@ -162,7 +162,7 @@ def rank_jobs(jobs: Sequence[Job], world: int) -> None:
     """Run ``jobs`` in order on this rank (spawned by ``ranks.run_ranks``)."""
     from megatron_recipes.models.builder import build_model_chunks
     from megatron_recipes.runtime.distributed import init_model_parallel, shutdown
-    from megatron_recipes.training import checkpoint as engine
+    from megatron_recipes.checkpoint import _save_load as engine
 
     try:
         for job in jobs:
@@ -228,7 +228,7 @@ def check_same_model(hf_dir: Path, cfg: RunConfig, ckpt: Path) -> None:
 
 def run_verify(hf_dir: Path, ckpt: Path, parallel: Optional[ParallelConfig] = None, tolerance: float = TOLERANCE) -> Metrics:
     """Compare ``hf_dir`` and ``ckpt`` logits at a layout; prints the table, raises RecipeError beyond tolerance."""
-    from megatron_recipes.training import checkpoint_store as store
+    from megatron_recipes.checkpoint import _files as store
 
     resolved = store.resolve_dir(Path(ckpt))
     meta = store.read_meta(resolved)

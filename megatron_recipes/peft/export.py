@@ -53,7 +53,7 @@ class PeftExportReport:
 
 def run_config_of(ckpt: Path) -> Tuple[Path, RunConfig, dict]:
     from megatron_recipes.config.compose import from_yaml
-    from megatron_recipes.training import checkpoint_store as store
+    from megatron_recipes.checkpoint import _files as store
 
     resolved = store.resolve_dir(Path(ckpt))
     return resolved, from_yaml(resolved / store.CONFIG), store.read_meta(resolved)
@@ -84,7 +84,7 @@ def load_trained(ckpt: Path):
     from megatron_recipes.models.builder import build_model_chunks
     from megatron_recipes.peft.state import peft_active, prepare_for_training
     from megatron_recipes.runtime.distributed import init_model_parallel
-    from megatron_recipes.training import checkpoint
+    from megatron_recipes.checkpoint import _save_load as checkpoint
 
     resolved, run_cfg, meta = run_config_of(ckpt)
     if not peft_active(run_cfg):
@@ -232,7 +232,7 @@ def export_merged(
     from megatron_recipes.convert.exporter import DEFAULT_MAX_SHARD, run_export
     from megatron_recipes.peft.merge import merge_and_unload
     from megatron_recipes.runtime.distributed import shutdown
-    from megatron_recipes.training import checkpoint
+    from megatron_recipes.checkpoint import _save_load as checkpoint
 
     from megatron_recipes.convert import staging
     from megatron_recipes.convert.safetensors_io import INDEX_NAME

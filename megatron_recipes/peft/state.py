@@ -63,7 +63,7 @@ def prepare_for_training(cfg: RunConfig, chunks) -> Optional["object"]:
     from pathlib import Path
 
     from megatron_recipes.peft import apply_peft, methods
-    from megatron_recipes.training import checkpoint
+    from megatron_recipes.checkpoint import _save_load as checkpoint
 
     if methods.parse(cfg.peft.method).none:
         return None

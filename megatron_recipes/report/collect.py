@@ -9,7 +9,8 @@ from typing import Any, Dict, List, Optional
 
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.training import checkpoint_store, sinks
+from megatron_recipes.checkpoint import _files as checkpoint_store
+from megatron_recipes.training import sinks
 from megatron_recipes.training.preemption import read_marker
 
 

@@ -22,10 +22,10 @@ from megatron_recipes.models import capabilities, fusions
 from megatron_recipes.plan import cost
 from megatron_recipes.report import run_facts, write_report_after_run
 from megatron_recipes.runtime import distributed, versions
+from megatron_recipes.checkpoint import _files as checkpoint_store
+from megatron_recipes.checkpoint import _save_load as checkpoint
+from megatron_recipes.checkpoint import _start as checkpointing
 from megatron_recipes.training import (
-    checkpoint,
-    checkpoint_store,
-    checkpointing,
     metrics,
     optim,
     run_lock,

@@ -34,7 +34,7 @@ STAGING_SUFFIX = ".incomplete"
 DELETING_SUFFIX = ".deleting"
 # Files megatron-core's torch_dist format writes once the sharded save has finished on every rank.
 MCORE_FILES = ("metadata.json", ".metadata", "common.pt")
-FSDP_DTENSOR_FILES = (".metadata",)  # Megatron-FSDP checkpoints: torch DCP's index (training/checkpoint_fsdp.py)
+FSDP_DTENSOR_FILES = (".metadata",)  # Megatron-FSDP checkpoints: torch DCP's index (checkpoint/_fsdp.py)
 
 _ITER = re.compile(r"^iter_(\d{7,})$")
 

@@ -24,11 +24,11 @@ import torch
 from megatron_recipes import files
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.training import checkpoint_fsdp as fsdp_ckpt
-from megatron_recipes.training import checkpoint_identity as identity
-from megatron_recipes.training import checkpoint_io as io
-from megatron_recipes.training import checkpoint_store as store
-from megatron_recipes.training.checkpoint_trust import find_refusal, restricted_loading
+from megatron_recipes.checkpoint import _fsdp as fsdp_ckpt
+from megatron_recipes.checkpoint import _identity as identity
+from megatron_recipes.checkpoint import _mcore as io
+from megatron_recipes.checkpoint import _files as store
+from megatron_recipes.checkpoint._trust import find_refusal, restricted_loading
 
 log = logging.getLogger(__name__)
 

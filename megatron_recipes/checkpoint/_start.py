@@ -14,8 +14,8 @@ from typing import Any, Dict, Optional
 import torch
 
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.training import checkpoint
-from megatron_recipes.training import checkpoint_store as store
+from megatron_recipes.checkpoint import _save_load as checkpoint
+from megatron_recipes.checkpoint import _files as store
 
 
 def latest(cfg: RunConfig) -> Optional[Path]:

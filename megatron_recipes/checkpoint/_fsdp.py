@@ -29,9 +29,9 @@ from typing import Any, Dict, List
 import torch
 
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.training import checkpoint_identity as identity
-from megatron_recipes.training import checkpoint_io as io
-from megatron_recipes.training.checkpoint_trust import restricted_loading
+from megatron_recipes.checkpoint import _identity as identity
+from megatron_recipes.checkpoint import _mcore as io
+from megatron_recipes.checkpoint._trust import restricted_loading
 
 BACKEND = "fsdp_dtensor"
 MODEL_PREFIX = "module."  # FullyShardedDataParallel.state_dict(): "module." + the GPTModel's names
@@ -97,7 +97,7 @@ def _dcp_load(state: Dict[str, Any], ckpt: Path, *, alone: bool = False) -> None
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-    from megatron_recipes.training.checkpoint_trust import find_refusal
+    from megatron_recipes.checkpoint._trust import find_refusal
 
     try:
         dcp.load(state, storage_reader=_reader(ckpt), no_dist=alone)

@@ -277,7 +277,7 @@ def tensor_mismatches(sharded_sd: Dict[str, Any], directory: Path, limit: int = 
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 
-    from megatron_recipes.training.checkpoint_trust import UntrustedCheckpoint
+    from megatron_recipes.checkpoint._trust import UntrustedCheckpoint
 
     try:
         stored = dist_checkpointing.load_tensors_metadata(str(directory))

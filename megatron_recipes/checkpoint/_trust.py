@@ -137,6 +137,6 @@ def restricted_loading(trust: bool = False) -> Iterator[None]:
 
 def find_refusal(exc: BaseException) -> Optional[UntrustedCheckpoint]:
     """Our refusal, if it is inside ``exc`` (torch DCP wraps per-rank failures in a CheckpointException)."""
-    from megatron_recipes.training.checkpoint_io import causes
+    from megatron_recipes.checkpoint._mcore import causes
 
     return next((e for e in causes(exc) if isinstance(e, UntrustedCheckpoint)), None)

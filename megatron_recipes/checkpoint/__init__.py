@@ -1,0 +1,1 @@
+"""Checkpoints (placeholder; the public API follows in the next commit)."""
