@@ -1,43 +1,54 @@
-"""The trainer's side of checkpoints: what the loop stores in them and which one a run starts from.
+"""What a training run starts from, decided in one place: the checkpoint it resumes, the weights it loads first.
 
-The engine (``training/checkpoint.py``) writes and finds checkpoints, reshards them, and saves each
-rank's RNG streams itself. This module adds the loop's counters to every save and decides the start:
-``checkpoint.load`` (``auto`` = the latest complete checkpoint of this run, ``none``, or a path) wins;
-otherwise ``checkpoint.pretrained`` weights; otherwise fresh initialisation.
+``start_of(cfg)`` decides once, the same on every rank:
+
+- ``checkpoint.load`` (``auto`` = the latest complete checkpoint of this run, ``none``, or a path) names the
+  checkpoint to resume: weights (or adapters), optimizer, scheduler, RNG streams, the loop's counters;
+- the weights loaded first, into the bare GPTModel chunks before PEFT adapters and before DDP/Megatron-FSDP
+  wrapping: the base (``checkpoint.pretrained``) of a run whose checkpoints hold adapters only, on every
+  start; else ``checkpoint.pretrained`` when nothing is resumed; else this run's own seed
+  (``train.train_iters=0`` in the same run.dir) when ``checkpoint.load=auto`` finds only that;
+- otherwise fresh initialisation.
+
+Loading into the bare chunks means the optimizer's fp32 main copies (bf16/fp16, the distributed optimizer's
+shards) are built from the loaded weights, and Megatron-FSDP shards them when it wraps.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
-from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.checkpoint import _save_load as checkpoint
 from megatron_recipes.checkpoint import _files as store
+from megatron_recipes.checkpoint import _save_load
+from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.config.schema import RunConfig
 
 
-def latest(cfg: RunConfig) -> Optional[Path]:
-    """The latest complete checkpoint of this run, or None."""
-    return checkpoint.find_latest(checkpoint.checkpoints_root(cfg))
+def resolve_load(cfg: RunConfig) -> Optional[Path]:
+    """What ``checkpoint.load`` asks to resume from: ``auto`` (latest complete under run.dir/checkpoints, or
+    None), ``none``, or an explicit path that must hold a complete checkpoint. Same answer on every rank."""
+    value = str(cfg.checkpoint.load).strip()
+    if value.lower() == "none":
+        return None
 
+    def decide() -> Optional[str]:
+        if value.lower() == "auto":
+            found = store.latest(cfg)
+            return str(found) if found is not None else None
+        try:
+            return str(store.resolve_dir(Path(value)))
+        except RecipeError as exc:
+            raise RecipeError(f"checkpoint.load={value}: {exc.message}", fix=exc.fix) from None
 
-def save(cfg: RunConfig, step: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
-    """A full checkpoint (weights, optimizer, scheduler, RNG, counters); ``consumed_samples`` is the whole
-    data-iterator state, since the batch iterator is a pure function of it."""
-    state = {"step": step, "consumed_samples": consumed_samples}
-    return checkpoint.save_checkpoint(
-        checkpoint.checkpoints_root(cfg), step, model, optimizer, scheduler, state, cfg, keep_last=cfg.checkpoint.keep_last
-    )
-
-
-def save_seed(cfg: RunConfig, model) -> Path:
-    """A weights-only checkpoint of step 0 (``train.train_iters=0``): the starting point of any layout."""
-    state = {"step": 0, "consumed_samples": 0}
-    return checkpoint.save_checkpoint(
-        checkpoint.checkpoints_root(cfg), 0, model, None, None, state, cfg, keep_last=cfg.checkpoint.keep_last
-    )
+    if torch.distributed.is_initialized():
+        found = _save_load.on_rank0("resolving checkpoint.load", decide)
+    else:
+        found = decide()
+    return Path(found) if found is not None else None
 
 
 def _is_seed(path: Path) -> bool:
@@ -46,45 +57,51 @@ def _is_seed(path: Path) -> bool:
     return int(meta.get("step", -1)) == 0 and not meta.get("contents", {}).get("optimizer")
 
 
-def resume(cfg: RunConfig, model, optimizer, scheduler) -> Optional[Dict[str, Any]]:
-    """Load what the recipe asks for; the saved loop state when resuming, None on a fresh start.
+@dataclass(frozen=True)
+class Start:
+    """A run's start: ``weights`` go into the bare model first, ``resume`` restores everything after wrapping."""
 
-    With ``checkpoint.load=auto``, a run whose only checkpoint is its own seed (``train.train_iters=0`` in
-    the same run.dir) starts from the seed's weights, as ``checkpoint.pretrained`` would.
-    """
-    path = checkpoint.resolve_load(cfg)
-    if path is not None and str(cfg.checkpoint.load).strip().lower() == "auto" and _is_seed(path):
-        checkpoint.load_weights(path, model, cfg)
+    cfg: RunConfig
+    resume_from: Optional[Path]
+    weights: Optional[Path]
+    note: str = ""  # the log line once the weights are in
+
+    def load_weights(self, chunks: List[torch.nn.Module]) -> None:
+        """Into the bare GPTModel chunks, before PEFT and wrapping; a missing path is an error, never a
+        silent start from random weights."""
+        if self.weights is None:
+            return
+        _save_load.load_weights(self.weights, chunks, self.cfg)
         if torch.distributed.get_rank() == 0:
-            print(f"initial weights from this run's seed checkpoint {path}", flush=True)
-        return None
-    if path is not None:
-        state = checkpoint.load_checkpoint(path, model, optimizer, scheduler, cfg=cfg)
+            print(self.note, flush=True)
+
+    def resume(self, model, optimizer, scheduler) -> Optional[Dict[str, Any]]:
+        """Restore the checkpoint to resume (any layout); its saved loop state, or None on a fresh start."""
+        if self.resume_from is None:
+            return None
+        state = _save_load.load(self.resume_from, model, optimizer, scheduler, cfg=self.cfg)
         if torch.distributed.get_rank() == 0:
-            print(f"resumed from {path} at step {state['step']}", flush=True)
+            print(f"resumed from {self.resume_from} at step {state['step']}", flush=True)
         return state
-    from megatron_recipes.peft.state import peft_active
-
-    if cfg.checkpoint.pretrained and not peft_active(cfg) and not cfg.parallel.fsdp:  # those loaded it before wrapping
-        # a missing path is an error there, never a silent random start
-        checkpoint.load_weights(Path(cfg.checkpoint.pretrained), model, cfg)
-        # The optimizer already holds its fp32 main copies (bf16/fp16, or the distributed optimizer's
-        # shards) of the random initialisation: without this, its first step would write them back.
-        optimizer.reload_model_params()
-        if torch.distributed.get_rank() == 0:
-            print(f"initial weights from {cfg.checkpoint.pretrained}", flush=True)
-    return None
 
 
-def load_pretrained_before_fsdp(cfg: RunConfig, chunks) -> None:
-    """Megatron-FSDP: ``checkpoint.pretrained`` goes into the bare GPTModel chunks, before wrapping.
-
-    Once wrapped, Megatron-FSDP owns the parameters in its own (sharded) buffers and offers only its
-    fsdp_dtensor state dict, not the torch_dist one our checkpoints hold; before wrapping the chunks are
-    plain megatron-core models, which load any layout of the checkpoint, and wrapping then shards them.
-    """
-    if not (cfg.parallel.fsdp and cfg.checkpoint.pretrained):
-        return
-    checkpoint.load_weights(Path(cfg.checkpoint.pretrained), chunks, cfg)
-    if torch.distributed.get_rank() == 0:
-        print(f"initial weights from {cfg.checkpoint.pretrained} (before Megatron-FSDP sharding)", flush=True)
+def start_of(cfg: RunConfig, adapters_only: bool) -> Start:
+    """Decide what ``cfg`` starts from (see the module docstring). ``adapters_only``: the run trains adapters
+    on a frozen base (PEFT), so its checkpoints do not hold the base."""
+    resume_from = resolve_load(cfg)
+    pretrained = cfg.checkpoint.pretrained
+    if adapters_only:
+        if not pretrained:
+            raise RecipeError(
+                f"peft.method={cfg.peft.method} needs checkpoint.pretrained (the base the adapters train on)",
+                fix="set checkpoint.pretrained=<converted checkpoint>",
+            )
+        return Start(cfg, resume_from, Path(pretrained), f"base weights from {pretrained}")
+    if resume_from is not None:
+        if str(cfg.checkpoint.load).strip().lower() == "auto" and _is_seed(resume_from):
+            return Start(cfg, None, resume_from, f"initial weights from this run's seed checkpoint {resume_from}")
+        return Start(cfg, resume_from, None)
+    if pretrained:
+        sharding = " (before Megatron-FSDP sharding)" if cfg.parallel.fsdp else ""
+        return Start(cfg, None, Path(pretrained), f"initial weights from {pretrained}{sharding}")
+    return Start(cfg, None, None)
