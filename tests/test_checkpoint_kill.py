@@ -2,7 +2,7 @@
 
 The child is a plain script with no ``if __name__ == "__main__":`` guard, run as ``python script.py``:
 with megatron-core 0.16's stock writer its first save would re-run the script in a spawned Manager
-process and never return (see training/checkpoint_io.py). It saves step 1, prints a weight checksum,
+process and never return (see megatron_recipes/checkpoint/_mcore.py). It saves step 1, prints a weight checksum,
 trains on and is killed (with its writer processes) once step 2's staging folder has data in it.
 """
 

@@ -167,7 +167,7 @@ def test_resume_and_reshard(tmp_path):
     # D: PP=2 x VPP=2 (chunks model0/model1) loads the TP=2 checkpoint, then saves it in its own layout.
     d = [r["d"] for r in fresh]
     _assert_close(_first(d, "weights_logits"), ref_logits, "PP=2/VPP=2 logits after load_weights")
-    _assert_close(_first(d, "logits"), ref_logits, "PP=2/VPP=2 logits after load_checkpoint")
+    _assert_close(_first(d, "logits"), ref_logits, "PP=2/VPP=2 logits after checkpoint.load")
     meta = json.loads((Path(d[0]["path"]) / "meta.json").read_text())
     assert meta["contents"]["model_chunks"] == 2 and meta["layout"]["vpp"] == 2
 

@@ -1,4 +1,4 @@
-"""Checkpoint folder rules without processes: completeness, find_latest, retention, identity checks.
+"""Checkpoint folder rules without processes: completeness, latest, retention, identity checks.
 
 Folders here are built by hand (megatron-core's files as empty stand-ins) to reach states a real save
 leaves only when killed at a precise moment; test_checkpoint_errors/_kill cover real saves.
@@ -30,7 +30,7 @@ def _fake(root: Path, step: int, *, name=None, meta=True, complete=True, mcore=s
     return path
 
 
-def test_find_latest_takes_only_complete_folders(tmp_path):
+def test_latest_takes_only_complete_folders(tmp_path):
     assert store.latest(tmp_path / "nothing-here") is None
     assert store.latest(tmp_path) is None
     _fake(tmp_path, 100)
@@ -46,7 +46,7 @@ def test_find_latest_takes_only_complete_folders(tmp_path):
     assert [s for s, _ in store.complete_checkpoints(tmp_path)] == [100, 200]
 
 
-def test_find_latest_prefers_newest_complete_over_stale_tracker(tmp_path):
+def test_latest_prefers_newest_complete_over_stale_tracker(tmp_path):
     _fake(tmp_path, 100)
     newest = _fake(tmp_path, 200)  # renamed into place, then killed before the tracker update
     store.write_tracker(tmp_path, 100)
