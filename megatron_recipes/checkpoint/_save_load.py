@@ -47,8 +47,10 @@ def _require_dist() -> None:
         )
 
 
-def _on_rank0(what: str, fn: Callable[[], T]) -> Optional[T]:
-    """Run ``fn`` on rank 0 and share its result; if it fails, every rank raises (none waits forever)."""
+def on_rank0(what: str, fn: Callable[[], T]) -> Optional[T]:
+    """Run ``fn`` on rank 0 and share its result; if it fails, every rank raises (none waits forever).
+
+    Public for the loop's other rank-0 decisions (the run.dir lock)."""
     outcome: List[Any] = [None, None]  # [result, (message, fix) of a failure]
     if torch.distributed.get_rank() == 0:
         try:
@@ -62,9 +64,6 @@ def _on_rank0(what: str, fn: Callable[[], T]) -> Optional[T]:
     if outcome[1] is not None:
         raise RecipeError(outcome[1][0], fix=outcome[1][1])
     return outcome[0]
-
-
-on_rank0 = _on_rank0  # public for the loop's other rank-0 decisions (the run.dir lock)
 
 
 def _is_distributed_optimizer(optimizer) -> bool:
@@ -180,7 +179,7 @@ def save(
     io.check_plain(dict(state))
     fmt = _optimizer_format(cfg, optimizer)
     # Every rank waits for rank 0's outcome (a broadcast), so no rank writes before the folder exists.
-    _on_rank0("preparing the checkpoint folder", lambda: store.prepare_staging(root, step))
+    on_rank0("preparing the checkpoint folder", lambda: store.prepare_staging(root, step))
 
     fsdp = fsdp_ckpt.is_fsdp(model_chunks)  # [FSDP hook] Megatron-FSDP state: checkpoint_fsdp, fsdp_dtensor
     if fsdp:
@@ -202,7 +201,7 @@ def save(
     except BaseException as exc:
         if not io.disk_full(exc):
             raise
-        _on_rank0("removing the partial checkpoint", lambda: store.clean_leftovers(root))
+        on_rank0("removing the partial checkpoint", lambda: store.clean_leftovers(root))
         last = store.latest(root)
         raise RecipeError(
             f"disk full at {store.staging_dir(root, step)}, the last complete checkpoint is "
@@ -214,7 +213,7 @@ def save(
     meta = _meta(step, cfg, len(model_chunks), optimizer, scheduler, fmt)
     if fsdp:  # [FSDP hook]
         meta["backend"] = fsdp_ckpt.BACKEND
-    _on_rank0("finishing the checkpoint", lambda: _finish(root, step, meta, cfg, keep_last))
+    on_rank0("finishing the checkpoint", lambda: _finish(root, step, meta, cfg, keep_last))
     return store.iter_dir(root, step)
 
 
@@ -242,7 +241,7 @@ def finish_weights_only(root: Path, step: int, cfg: RunConfig) -> Path:
 
 def _resolve_everywhere(path: Path) -> Path:
     """Rank 0 resolves (folder or checkpoints root -> complete folder) so all ranks load the same one."""
-    return Path(_on_rank0("finding the checkpoint", lambda: str(store.resolve_dir(Path(path)))))
+    return Path(on_rank0("finding the checkpoint", lambda: str(store.resolve_dir(Path(path)))))
 
 
 def _check_before_tensors(sharded: Dict[str, Any], ckpt: Path) -> None:

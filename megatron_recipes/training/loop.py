@@ -1,7 +1,8 @@
 """The training loop of one rank: recipe in, megatron-core trains, metrics and checkpoints out.
 
 Order of work: validate (before any process group), process groups, data artefacts, model + DDP +
-optimizer + schedule, resume (latest complete checkpoint, or pretrained weights), datasets, then steps.
+optimizer + schedule, resume (``checkpoint.start_of`` decides: latest complete checkpoint, or pretrained
+weights loaded before wrapping), datasets, then steps.
 Every rank runs the same code; only rank 0 writes the run directory's files other than checkpoints.
 """
 
@@ -21,7 +22,7 @@ from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.models import capabilities, fusions
 from megatron_recipes.plan import cost
 from megatron_recipes.report import run_facts, write_report_after_run
-from megatron_recipes.peft.state import peft_active
+from megatron_recipes.peft.state import peft_active, prepare_for_training
 from megatron_recipes.runtime import distributed, versions
 from megatron_recipes.training import (
     metrics,
@@ -130,7 +131,6 @@ class Trainer:
 
     def build(self) -> None:
         from megatron_recipes.models.builder import build_model_chunks
-        from megatron_recipes.peft.state import prepare_for_training
 
         self.tokenizer = self.prepare_data_artifacts()
         chunks = build_model_chunks(self.cfg)
