@@ -27,7 +27,6 @@ KNOWN_UPWARD = {
     ("config", "plan"): "rules_layout/rules_moe/rules_memory import plan estimates (issue 19 item 2)",
     ("peft", "convert"): "peft/export.py is a conversion module (issue 19 item 3: it moves into convert/)",
     ("report", "training"): "report/collect.py reads training.sinks and training.preemption's marker",
-    ("slurm", "training"): "slurm/submit.py uses training.preemption.atomic_write_text (issue 19 item 8)",
 }
 
 

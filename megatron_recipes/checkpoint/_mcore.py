@@ -23,7 +23,7 @@ import errno
 import logging
 import random
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
