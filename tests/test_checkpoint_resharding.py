@@ -209,7 +209,7 @@ def test_moe_expert_parallel_resharding(tmp_path):
 
 def _rank_dense_first_stage(run_dir: str):
     """PP=2 x EP=2 with the first stage's layers dense: its expert optimizer holds no parameter there."""
-    from megatron_recipes.checkpoint._save_load import load_checkpoint
+    from megatron_recipes.checkpoint import load
 
     extra = MOE + ["model.moe_first_dense_layers=2", "parallel.ep=2"]
     t = cs.Trainer(cs.tiny_cfg(run_dir, pp=2, world=4, extra=extra))
@@ -217,7 +217,7 @@ def _rank_dense_first_stage(run_dir: str):
     path = _save(t, Path(run_dir) / "checkpoints", 2, STATE)
     uninterrupted = t.train(3, 4)
     u = cs.Trainer(cs.tiny_cfg(run_dir, pp=2, world=4, extra=extra), seed=77)
-    state = load_checkpoint(path, u.model, u.optimizer, u.scheduler, cfg=u.cfg)
+    state = load(path, u.model, u.optimizer, u.scheduler, cfg=u.cfg)
     return {"state": state, "uninterrupted": uninterrupted, "resumed": u.train(3, 4)}
 
 

@@ -25,6 +25,7 @@ SCANNED_OUTSIDE = ("benchmarks", "conversion", "launch")
 KNOWN_UPWARD = {
     ("config", "peft"): "rules_peft imports peft.methods (issue 19 item 2: one validation mechanism)",
     ("config", "plan"): "rules_layout/rules_moe/rules_memory import plan estimates (issue 19 item 2)",
+    ("config", "slurm"): "rules_launch imports slurm's launch checks (issue 19 item 2: rules above what they use)",
     ("peft", "convert"): "peft/export.py is a conversion module (issue 19 item 3: it moves into convert/)",
     ("report", "training"): "report/collect.py reads training.sinks and training.preemption's marker",
 }

@@ -8,6 +8,7 @@ behind them are private (tests/test_checkpoint_boundary.py enforces it):
 - ``_mcore``      megatron-core distributed checkpointing (torch_dist), RNG streams, optimizer state
 - ``_trust``      loading never runs code from a checkpoint unless the user trusts it
 - ``_adapters``   checkpoints of models with adapters hold the trainable tensors only
+- ``_fsdp``       Megatron-FSDP runs' checkpoints (megatron-core's fsdp_dtensor format), behind save/load
 - ``_save_load``  one checkpoint saved or loaded collectively, in any layout
 - ``_start``      what a training run starts from (resume, pretrained/base/seed weights)
 
