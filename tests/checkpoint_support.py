@@ -132,7 +132,7 @@ class Trainer:
         return out
 
     def param_tensors(self) -> Dict[str, torch.Tensor]:
-        from megatron_recipes.training.checkpoint_io import unwrap
+        from megatron_recipes.checkpoint._mcore import unwrap
 
         return {
             f"{i}.{name}": p.detach().clone()

@@ -248,13 +248,14 @@ def train_and_save(world: int, run_dir: str, pretrained: str, steps: int, *overr
     from megatron_recipes.models.builder import build_model_chunks
     from megatron_recipes.peft.state import prepare_for_training
     from megatron_recipes.runtime.distributed import init_model_parallel
-    from megatron_recipes.training import checkpoint
+    from megatron_recipes import checkpoint
 
     cfg = tiny_cfg(world, f"checkpoint.pretrained={pretrained}", f"run.dir={run_dir}", *overrides)
     init_model_parallel(cfg)
     chunks = build_model_chunks(cfg)
+    checkpoint.start_of(cfg, adapters_only=True).load_weights(chunks)  # the base, as the trainer loads it
     prepare_for_training(cfg, chunks)
     model, optimizer, scheduler, losses = _optimize(cfg, chunks, steps)
     root = checkpoint.checkpoints_root(cfg)
-    checkpoint.save_checkpoint(root, steps, model, optimizer, scheduler, {"step": steps}, cfg, keep_last=2)
+    checkpoint.save(root, steps, model, optimizer, scheduler, {"step": steps}, cfg, keep_last=2)
     return losses

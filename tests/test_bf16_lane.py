@@ -3,9 +3,10 @@
 What every GPU run uses, checked with the real trainer on gloo. All runs start from one weights-only bf16
 step-0 checkpoint of the single-rank model (``checkpoint.pretrained``), the tiny corpus, 4 steps.
 
-- Fine-tuning from a pretrained checkpoint keeps its weights: the optimizer made its fp32 main copies
-  from the random initialisation before the weights were loaded, so without
-  ``optimizer.reload_model_params()`` the first step writes the random weights back. At lr 1e-50 one step
+- Fine-tuning from a pretrained checkpoint keeps its weights: the optimizer makes its fp32 main copies
+  when it is built, so weights loaded after that (without ``optimizer.reload_model_params()``) would be
+  written back to the random initialisation by the first step; the checkpoint package loads them into the
+  bare model before wrapping (``checkpoint.start_of``). At lr 1e-50 one step
   must leave the bf16 weights and the fp32 main copies bit-identical to the checkpoint's (at 1e-50 the
   update underflows to zero in fp32; at 1e-30 a weight that is exactly 0 would move).
 - TP=2, PP=2 and DP=2 (distributed optimizer) reproduce the single-rank losses. Optimizer: Adam with

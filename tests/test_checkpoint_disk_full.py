@@ -21,12 +21,12 @@ def _save_on_full_disk(tmp: str):
     import torch
 
     from megatron_recipes.config.errors import RecipeError
-    from megatron_recipes.training import checkpoint as ck
+    from megatron_recipes import checkpoint as ck
 
     out = {}
     t = cs.Trainer(cs.tiny_cfg(str(Path(tmp) / "run")))
     root = ck.checkpoints_root(t.cfg)
-    ck.save_checkpoint(root, 1, t.model, t.optimizer, t.scheduler, {"step": 1}, t.cfg, keep_last=2)
+    ck.save(root, 1, t.model, t.optimizer, t.scheduler, {"step": 1}, t.cfg, keep_last=2)
     real_save = torch.save
 
     def full_disk_save(obj, f, *args, **kwargs):
@@ -37,7 +37,7 @@ def _save_on_full_disk(tmp: str):
 
     torch.save = full_disk_save
     try:
-        ck.save_checkpoint(root, 2, t.model, t.optimizer, t.scheduler, {"step": 2}, t.cfg, keep_last=2)
+        ck.save(root, 2, t.model, t.optimizer, t.scheduler, {"step": 2}, t.cfg, keep_last=2)
         out["error"] = "saved"
     except RecipeError as exc:
         out["error"] = str(exc)
@@ -47,7 +47,7 @@ def _save_on_full_disk(tmp: str):
         torch.save = real_save
     out["root"] = str(root)
     out["left"] = sorted(p.name for p in root.iterdir())
-    out["latest"] = ck.find_latest(root).name
+    out["latest"] = ck.latest(root).name
     return out
 
 

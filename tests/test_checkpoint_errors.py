@@ -36,22 +36,23 @@ def _expect_error(fn, *needles):
 
 
 def _one_rank(tmp: str):
-    from megatron_recipes.training import checkpoint as ck
+    from megatron_recipes import checkpoint as ck
+    from megatron_recipes.checkpoint._start import resolve_load
 
     tmp = Path(tmp)
     out = {}
     t = cs.Trainer(cs.tiny_cfg(str(tmp / "run"), extra=["checkpoint.load=auto"]))
     root = ck.checkpoints_root(t.cfg)
-    out["auto_empty"] = ck.resolve_load(t.cfg)
+    out["auto_empty"] = resolve_load(t.cfg)
 
     # Weights-only saves (what a conversion writes), keep_last=2 over four saves.
     for step in (1, 2, 3, 4):
         with torch.no_grad():
             next(iter(t.model[0].parameters())).add_(1.0)  # each save holds different weights
-        ck.save_checkpoint(root, step, t.model, None, None, {"step": step}, t.cfg, keep_last=2)
+        ck.save(root, step, t.model, None, None, {"step": step}, t.cfg, keep_last=2)
     out["dirs"] = sorted(p.name for p in root.iterdir())
-    out["latest"] = ck.find_latest(root).name
-    out["auto"] = ck.resolve_load(t.cfg).name
+    out["latest"] = ck.latest(root).name
+    out["auto"] = resolve_load(t.cfg).name
     saved = _params(t.model)
 
     # Load weights into a freshly initialised model: bit-exact; the checkpoints root resolves to iter 4.
@@ -65,16 +66,16 @@ def _one_rank(tmp: str):
     latest = root / "iter_0000004"
     snapshot = _params(fresh.model)
     out["resume_weights_only"] = _expect_error(
-        lambda: ck.load_checkpoint(latest, fresh.model, fresh.optimizer, fresh.scheduler, cfg=fresh.cfg),
+        lambda: ck.load(latest, fresh.model, fresh.optimizer, fresh.scheduler, cfg=fresh.cfg),
         "weights only",
         "checkpoint.pretrained",
     )
     out["missing_weights"] = _expect_error(lambda: ck.load_weights(tmp / "nope", fresh.model, fresh.cfg), "does not exist")
-    out["missing_ckpt"] = _expect_error(lambda: ck.load_checkpoint(tmp / "nope", fresh.model), "does not exist")
+    out["missing_ckpt"] = _expect_error(lambda: ck.load(tmp / "nope", fresh.model), "does not exist")
     explicit = cs.tiny_cfg(str(tmp / "run"), extra=[f"checkpoint.load={tmp / 'nope'}"])
-    out["missing_load"] = _expect_error(lambda: ck.resolve_load(explicit), "checkpoint.load=", "does not exist")
-    out["explicit_root"] = ck.resolve_load(cs.tiny_cfg(str(tmp / "x"), extra=[f"checkpoint.load={root}"])).name
-    out["none"] = ck.resolve_load(cs.tiny_cfg(str(tmp / "run"), extra=["checkpoint.load=none"]))
+    out["missing_load"] = _expect_error(lambda: resolve_load(explicit), "checkpoint.load=", "does not exist")
+    out["explicit_root"] = resolve_load(cs.tiny_cfg(str(tmp / "x"), extra=[f"checkpoint.load={root}"])).name
+    out["none"] = resolve_load(cs.tiny_cfg(str(tmp / "run"), extra=["checkpoint.load=none"]))
 
     torn = tmp / "torn" / "iter_0000004"
     shutil.copytree(latest, torn)
@@ -94,7 +95,7 @@ def _one_rank(tmp: str):
     )
 
     out["bad_state"] = _expect_error(
-        lambda: ck.save_checkpoint(tmp / "bad", 1, t.model, None, None, {"rng": {"n": object()}}, t.cfg, 1),
+        lambda: ck.save(tmp / "bad", 1, t.model, None, None, {"rng": {"n": object()}}, t.cfg, 1),
         "state['rng']['n']",
     )
     out["bad_state_wrote_nothing"] = not (tmp / "bad").exists()
@@ -108,7 +109,7 @@ def _one_rank(tmp: str):
         "model.ffn_hidden_size: checkpoint 128, recipe 96",
     )
     out["other_model_no_cfg"] = _expect_error(
-        lambda: ck.load_checkpoint(latest, other.model),
+        lambda: ck.load(latest, other.model),
         "does not fit this model",
         "checkpoint shape (256, 64), model (256, 32)",
     )

@@ -25,12 +25,13 @@ def _rank(root: str):
 
     from megatron_recipes.models.builder import build_model_chunks
     from megatron_recipes.runtime.distributed import init_model_parallel
-    from megatron_recipes.training import checkpoint, checkpoint_io
+    from megatron_recipes import checkpoint
+    from megatron_recipes.checkpoint import _mcore as checkpoint_io
 
     cfg = tiny_cfg(str(Path(root) / "run"))
     init_model_parallel(cfg)
     plain = build_model_chunks(cfg)
-    saved = checkpoint.save_checkpoint(Path(root) / "plain", 0, plain, None, None, {}, cfg, keep_last=0)
+    saved = checkpoint.save(Path(root) / "plain", 0, plain, None, None, {}, cfg, keep_last=0)
 
     received: list = []
     _with_extra_state(received)
@@ -49,7 +50,7 @@ def _rank(root: str):
     from_plain = list(received)
 
     received.clear()  # a checkpoint that does hold extra state gives it back unchanged
-    again = checkpoint.save_checkpoint(Path(root) / "with_state", 0, with_state, None, None, {}, cfg, keep_last=0)
+    again = checkpoint.save(Path(root) / "with_state", 0, with_state, None, None, {}, cfg, keep_last=0)
     checkpoint.load_weights(again, build_model_chunks(cfg), cfg)
     return {
         "plain_load_error": plain_load_error,

@@ -31,15 +31,15 @@ STATE = {"step": 2, "consumed_samples": 2 * cs.GBS}
 
 
 def _save(trainer, root: Path, state):
-    from megatron_recipes.training.checkpoint import save_checkpoint
+    from megatron_recipes.checkpoint import save
 
-    return save_checkpoint(root, state["step"], trainer.model, trainer.optimizer, trainer.scheduler, state, trainer.cfg,
+    return save(root, state["step"], trainer.model, trainer.optimizer, trainer.scheduler, state, trainer.cfg,
                            keep_last=2)
 
 
 def _optimizer_state(optimizer):
     """This rank's Adam state (moments, step) of the parameters it holds a non-empty shard of (a rank never
-    steps an empty shard, so its ``step`` there is meaningless; see checkpoint_fsdp._common_step)."""
+    steps an empty shard, so its ``step`` there is meaningless; see checkpoint/_fsdp.py _common_step)."""
     inner, out = optimizer.optimizer, {}
     for group in inner.param_groups:
         for i, param in enumerate(group["params"]):
@@ -62,11 +62,12 @@ def _rank_a(run_dir: str, extra=()):
 
 
 def _resume_fsdp(run_dir: str, extra=()):
-    from megatron_recipes.training.checkpoint import load_checkpoint, resolve_load
+    from megatron_recipes.checkpoint import load
+    from megatron_recipes.checkpoint._start import resolve_load
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, world=2, extra=[*FSDP, *extra]), seed=77)
     path = resolve_load(t.cfg)
-    state = load_checkpoint(path, t.model, t.optimizer, t.scheduler, cfg=t.cfg)
+    state = load(path, t.model, t.optimizer, t.scheduler, cfg=t.cfg)
     out = {"path": str(path), "state": state, "lr": t.optimizer.param_groups[0]["lr"], "draws": cs.rng_draws(),
            "optim": _optimizer_state(t.optimizer)}
     out["logits"] = t.logits()
@@ -76,11 +77,11 @@ def _resume_fsdp(run_dir: str, extra=()):
 
 def _weights_into(run_dir: str, ckpt: str, **layout):
     from megatron_recipes.config.errors import RecipeError
-    from megatron_recipes.training.checkpoint import load_checkpoint, load_weights
+    from megatron_recipes.checkpoint import load, load_weights
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, world=2, **layout), seed=77)
     try:  # resuming the FSDP optimizer state in this layout is refused before any tensor is read
-        load_checkpoint(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
+        load(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
         t.refusal = None
     except RecipeError as exc:
         t.refusal = f"{exc.message} | fix: {exc.fix}"
@@ -95,7 +96,7 @@ def _fsdp_from_torch_dist(run_dir: str, ckpt: str):
     from megatron_recipes.models.builder import build_model_chunks
     from megatron_recipes.runtime import distributed
     from megatron_recipes.training import optim, step
-    from megatron_recipes.training.checkpoint import load_checkpoint, load_weights
+    from megatron_recipes.checkpoint import load, load_weights
 
     t = cs.Trainer.__new__(cs.Trainer)
     t.cfg = cs.tiny_cfg(run_dir, world=2, extra=FSDP)
@@ -110,7 +111,7 @@ def _fsdp_from_torch_dist(run_dir: str, ckpt: str):
     t.forward_step = step.make_forward_step(t.runtime.device, False)
     logits = t.logits()
     try:
-        load_checkpoint(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
+        load(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
         refusal = None
     except RecipeError as exc:
         refusal = f"{exc.message} | fix: {exc.fix}"
@@ -134,11 +135,11 @@ def _rank_b(run_dir: str, ckpt: str):
 def _fsdp_other_layout(run_dir: str, ckpt: str):
     """Megatron-FSDP at TP=2 (DP=1) resuming the TP=1/DP=2 FSDP checkpoint: refused before any tensor is read."""
     from megatron_recipes.config.errors import RecipeError
-    from megatron_recipes.training.checkpoint import load_checkpoint
+    from megatron_recipes.checkpoint import load
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, tp=2, world=2, extra=FSDP), seed=77)
     try:
-        load_checkpoint(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
+        load(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
     except RecipeError as exc:
         return f"{exc.message} | fix: {exc.fix}"
     return None

@@ -2,7 +2,7 @@
 
 The child is a plain script with no ``if __name__ == "__main__":`` guard, run as ``python script.py``:
 with megatron-core 0.16's stock writer its first save would re-run the script in a spawned Manager
-process and never return (see training/checkpoint_io.py). It saves step 1, prints a weight checksum,
+process and never return (see megatron_recipes/checkpoint/_mcore.py). It saves step 1, prints a weight checksum,
 trains on and is killed (with its writer processes) once step 2's staging folder has data in it.
 """
 
@@ -38,16 +38,16 @@ import sys
 sys.path.insert(0, {tests!r})
 import torch
 import checkpoint_support as cs
-from megatron_recipes.training.checkpoint import checkpoints_root, save_checkpoint
+from megatron_recipes.checkpoint import checkpoints_root, save
 
 t = cs.Trainer(cs.tiny_cfg({run_dir!r}, extra={big!r}))
 root = checkpoints_root(t.cfg)
 t.train(1, 1)
-save_checkpoint(root, 1, t.model, t.optimizer, t.scheduler, {{"step": 1}}, t.cfg, keep_last=2)
+save(root, 1, t.model, t.optimizer, t.scheduler, {{"step": 1}}, t.cfg, keep_last=2)
 print("CHECKSUM", repr(cs.checksum(t.model)), flush=True)
 print("SAVED 1", flush=True)
 t.train(2, 2)
-save_checkpoint(root, 2, t.model, t.optimizer, t.scheduler, {{"step": 2}}, t.cfg, keep_last=2)
+save(root, 2, t.model, t.optimizer, t.scheduler, {{"step": 2}}, t.cfg, keep_last=2)
 print("SAVED 2", flush=True)
 """
 
@@ -62,15 +62,16 @@ def _wait_for(predicate, timeout: float, poll: float = 0.005) -> bool:
 
 
 def _resume(run_dir: str):
-    from megatron_recipes.training import checkpoint as ck
+    from megatron_recipes import checkpoint as ck
+    from megatron_recipes.checkpoint._start import resolve_load
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, extra=BIG), seed=3)
-    path = ck.resolve_load(t.cfg)
-    state = ck.load_checkpoint(path, t.model, t.optimizer, t.scheduler, cfg=t.cfg)
+    path = resolve_load(t.cfg)
+    state = ck.load(path, t.model, t.optimizer, t.scheduler, cfg=t.cfg)
     out = {"path": path.name, "state": state, "checksum": cs.checksum(t.model)}
     root = ck.checkpoints_root(t.cfg)
-    out["saved"] = ck.save_checkpoint(root, 2, t.model, t.optimizer, t.scheduler, {"step": 2}, t.cfg, 2).name
-    out["latest"] = ck.find_latest(root).name
+    out["saved"] = ck.save(root, 2, t.model, t.optimizer, t.scheduler, {"step": 2}, t.cfg, 2).name
+    out["latest"] = ck.latest(root).name
     return out
 
 
@@ -98,9 +99,9 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
     assert staging.is_dir() and not (staging / "meta.json").exists()  # a torn save was left behind ...
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
-    from megatron_recipes.training.checkpoint import find_latest
+    from megatron_recipes.checkpoint import latest
 
-    assert find_latest(root) == root / "iter_0000001"  # ... and ignored
+    assert latest(root) == root / "iter_0000001"  # ... and ignored
     checksum = float(text.split("CHECKSUM", 1)[1].split()[0])
 
     (resumed,) = run_ranks(_resume, 1, str(run_dir))

@@ -27,9 +27,9 @@ STATE = {"step": 2, "consumed_samples": 2 * cs.GBS, "data": {"epoch": 0, "offset
 
 
 def _save(trainer, root, step, state, keep_last=2):
-    from megatron_recipes.training.checkpoint import save_checkpoint
+    from megatron_recipes.checkpoint import save
 
-    return save_checkpoint(
+    return save(
         Path(root), step, trainer.model, trainer.optimizer, trainer.scheduler, state, trainer.cfg, keep_last=keep_last
     )
 
@@ -53,11 +53,12 @@ def _rank_a(run_dir: str):
 
 
 def _rank_b(run_dir: str):
-    from megatron_recipes.training.checkpoint import load_checkpoint, resolve_load
+    from megatron_recipes.checkpoint import load
+    from megatron_recipes.checkpoint._start import resolve_load
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, tp=2, world=2), seed=77)  # other init: the load must overwrite it
     path = resolve_load(t.cfg)  # checkpoint.load=auto
-    state = load_checkpoint(path, t.model, t.optimizer, t.scheduler, cfg=t.cfg)
+    state = load(path, t.model, t.optimizer, t.scheduler, cfg=t.cfg)
     out = {
         "path": str(path),
         "state": state,
@@ -71,38 +72,38 @@ def _rank_b(run_dir: str):
 
 
 def _rank_c(run_dir: str, ckpt: str):
-    from megatron_recipes.training.checkpoint import load_checkpoint
+    from megatron_recipes.checkpoint import load
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, tp=1, world=2), seed=77)
-    state = load_checkpoint(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
+    state = load(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
     path = _save(t, Path(run_dir) / "checkpoints", 2, state)  # DP=2: optimizer shards gathered, writes spread
     return {"state": state, "path": str(path), "logits": t.logits(), "losses_34": t.train(3, 4)}
 
 
 def _rank_d(run_dir: str, ckpt: str):
-    from megatron_recipes.training.checkpoint import load_checkpoint, load_weights
+    from megatron_recipes.checkpoint import load, load_weights
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, pp=2, vpp=2, world=2), seed=77)
     load_weights(Path(ckpt), t.model, t.cfg)
     weights_logits = t.logits()
-    state = load_checkpoint(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
+    state = load(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
     path = _save(t, Path(run_dir) / "checkpoints", 2, state)
     return {"weights_logits": weights_logits, "logits": t.logits(), "path": str(path)}
 
 
 def _rank_e(run_dir: str, ckpt: str):
-    from megatron_recipes.training.checkpoint import load_checkpoint
+    from megatron_recipes.checkpoint import load
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, tp=2, world=2), seed=77)
-    state = load_checkpoint(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
+    state = load(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
     return {"state": state, "logits": t.logits(), "losses_34": t.train(3, 4)}
 
 
 def _rank_f(run_dir: str, ckpt: str):
-    from megatron_recipes.training.checkpoint import load_checkpoint
+    from megatron_recipes.checkpoint import load
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, pp=2, world=2), seed=77)
-    state = load_checkpoint(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
+    state = load(Path(ckpt), t.model, t.optimizer, t.scheduler, cfg=t.cfg)
     return {"state": state, "losses_34": t.train(3, 4)}
 
 
@@ -166,7 +167,7 @@ def test_resume_and_reshard(tmp_path):
     # D: PP=2 x VPP=2 (chunks model0/model1) loads the TP=2 checkpoint, then saves it in its own layout.
     d = [r["d"] for r in fresh]
     _assert_close(_first(d, "weights_logits"), ref_logits, "PP=2/VPP=2 logits after load_weights")
-    _assert_close(_first(d, "logits"), ref_logits, "PP=2/VPP=2 logits after load_checkpoint")
+    _assert_close(_first(d, "logits"), ref_logits, "PP=2/VPP=2 logits after checkpoint.load")
     meta = json.loads((Path(d[0]["path"]) / "meta.json").read_text())
     assert meta["contents"]["model_chunks"] == 2 and meta["layout"]["vpp"] == 2
 
@@ -187,14 +188,14 @@ MOE = ["model=tiny_moe", "model.moe_ffn_hidden_size=64", "model.rotary_base=1000
 
 def _rank_moe(run_dir: str):
     """EP=2 trains and saves; then the same ranks rebuild at EP=1 (experts replicated) and resume it."""
-    from megatron_recipes.training.checkpoint import load_checkpoint
+    from megatron_recipes.checkpoint import load
 
     t = cs.Trainer(cs.tiny_cfg(run_dir, world=2, extra=MOE + ["parallel.ep=2"]))
     t.train(1, 2)
     path = _save(t, Path(run_dir) / "checkpoints", 2, STATE)
     ep2 = {"logits": t.logits(), "losses_34": t.train(3, 4)}
     u = cs.Trainer(cs.tiny_cfg(run_dir + "-ep1", world=2, extra=MOE), seed=77)
-    state = load_checkpoint(path, u.model, u.optimizer, u.scheduler, cfg=u.cfg)
+    state = load(path, u.model, u.optimizer, u.scheduler, cfg=u.cfg)
     return {"ep2": ep2, "ep1": {"state": state, "logits": u.logits(), "losses_34": u.train(3, 4)}}
 
 
@@ -208,7 +209,7 @@ def test_moe_expert_parallel_resharding(tmp_path):
 
 def _rank_dense_first_stage(run_dir: str):
     """PP=2 x EP=2 with the first stage's layers dense: its expert optimizer holds no parameter there."""
-    from megatron_recipes.training.checkpoint import load_checkpoint
+    from megatron_recipes.checkpoint import load
 
     extra = MOE + ["model.moe_first_dense_layers=2", "parallel.ep=2"]
     t = cs.Trainer(cs.tiny_cfg(run_dir, pp=2, world=4, extra=extra))
@@ -216,7 +217,7 @@ def _rank_dense_first_stage(run_dir: str):
     path = _save(t, Path(run_dir) / "checkpoints", 2, STATE)
     uninterrupted = t.train(3, 4)
     u = cs.Trainer(cs.tiny_cfg(run_dir, pp=2, world=4, extra=extra), seed=77)
-    state = load_checkpoint(path, u.model, u.optimizer, u.scheduler, cfg=u.cfg)
+    state = load(path, u.model, u.optimizer, u.scheduler, cfg=u.cfg)
     return {"state": state, "uninterrupted": uninterrupted, "resumed": u.train(3, 4)}
 
 

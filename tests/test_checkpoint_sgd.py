@@ -17,19 +17,19 @@ SGD = ["optimizer=sgd", "optimizer.lr=1e-2", "optimizer.sgd_momentum=0.9", "opti
 
 def _one_rank(tmp: str):
     from megatron_recipes.config.errors import RecipeError
-    from megatron_recipes.training import checkpoint as ck
+    from megatron_recipes import checkpoint as ck
 
     tmp, out = Path(tmp), {}
     cfg = cs.tiny_cfg(str(tmp / "sgd"), extra=SGD)
     t = cs.Trainer(cfg)
     t.train(1, 3)
     root = ck.checkpoints_root(cfg)
-    ck.save_checkpoint(root, 3, t.model, t.optimizer, t.scheduler, {"step": 3}, cfg, keep_last=1)
+    ck.save(root, 3, t.model, t.optimizer, t.scheduler, {"step": 3}, cfg, keep_last=1)
     out["straight"] = t.train(4, 6)
 
     resumed = cs.Trainer(cfg, seed=99)
     try:
-        out["state"] = ck.load_checkpoint(root, resumed.model, resumed.optimizer, resumed.scheduler, cfg=cfg)
+        out["state"] = ck.load(root, resumed.model, resumed.optimizer, resumed.scheduler, cfg=cfg)
         out["resumed"] = resumed.train(4, 6)
     except Exception as exc:  # noqa: BLE001 (reported by the test)
         out["resumed"] = f"{type(exc).__name__}: {exc}"
@@ -37,12 +37,12 @@ def _one_rank(tmp: str):
     adam_cfg = cs.tiny_cfg(str(tmp / "adam"))
     adam = cs.Trainer(adam_cfg)
     adam.train(1, 1)
-    ck.save_checkpoint(ck.checkpoints_root(adam_cfg), 1, adam.model, adam.optimizer, adam.scheduler, {"step": 1},
+    ck.save(ck.checkpoints_root(adam_cfg), 1, adam.model, adam.optimizer, adam.scheduler, {"step": 1},
                        adam_cfg, keep_last=1)
     for name, (load_root, trainer) in {"adam_into_sgd": (ck.checkpoints_root(adam_cfg), cs.Trainer(cfg)),
                                        "sgd_into_adam": (root, cs.Trainer(adam_cfg))}.items():
         try:
-            ck.load_checkpoint(load_root, trainer.model, trainer.optimizer, trainer.scheduler, cfg=trainer.cfg)
+            ck.load(load_root, trainer.model, trainer.optimizer, trainer.scheduler, cfg=trainer.cfg)
             out[name] = "loaded"
         except RecipeError as exc:
             out[name] = str(exc)

@@ -1,4 +1,4 @@
-"""Checkpoint folder rules without processes: completeness, find_latest, retention, identity checks.
+"""Checkpoint folder rules without processes: completeness, latest, retention, identity checks.
 
 Folders here are built by hand (megatron-core's files as empty stand-ins) to reach states a real save
 leaves only when killed at a precise moment; test_checkpoint_errors/_kill cover real saves.
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.training import checkpoint_identity as identity
-from megatron_recipes.training import checkpoint_io as io
-from megatron_recipes.training import checkpoint_store as store
+from megatron_recipes.checkpoint import _identity as identity
+from megatron_recipes.checkpoint import _mcore as io
+from megatron_recipes.checkpoint import _files as store
 
 
 def _fake(root: Path, step: int, *, name=None, meta=True, complete=True, mcore=store.MCORE_FILES) -> Path:
@@ -30,9 +30,9 @@ def _fake(root: Path, step: int, *, name=None, meta=True, complete=True, mcore=s
     return path
 
 
-def test_find_latest_takes_only_complete_folders(tmp_path):
-    assert store.find_latest(tmp_path / "nothing-here") is None
-    assert store.find_latest(tmp_path) is None
+def test_latest_takes_only_complete_folders(tmp_path):
+    assert store.latest(tmp_path / "nothing-here") is None
+    assert store.latest(tmp_path) is None
     _fake(tmp_path, 100)
     good = _fake(tmp_path, 200)
     _fake(tmp_path, 300, name="iter_0000300.incomplete")  # killed after meta, before the rename
@@ -42,15 +42,15 @@ def test_find_latest_takes_only_complete_folders(tmp_path):
     _fake(tmp_path, 700, name="iter_0000701")  # name and meta disagree
     _fake(tmp_path, 800, name="iter_0000800.deleting")
     store.write_tracker(tmp_path, 500)  # a tracker that names a broken folder is not trusted either
-    assert store.find_latest(tmp_path) == good
+    assert store.latest(tmp_path) == good
     assert [s for s, _ in store.complete_checkpoints(tmp_path)] == [100, 200]
 
 
-def test_find_latest_prefers_newest_complete_over_stale_tracker(tmp_path):
+def test_latest_prefers_newest_complete_over_stale_tracker(tmp_path):
     _fake(tmp_path, 100)
     newest = _fake(tmp_path, 200)  # renamed into place, then killed before the tracker update
     store.write_tracker(tmp_path, 100)
-    assert store.find_latest(tmp_path) == newest
+    assert store.latest(tmp_path) == newest
 
 
 def test_prune_keeps_last_k_and_drops_leftovers(tmp_path):

@@ -49,18 +49,18 @@ def _attempt(fn):
 
 
 def _one_rank(tmp: str):
-    from megatron_recipes.training import checkpoint as ck
+    from megatron_recipes import checkpoint as ck
 
     tmp, out = Path(tmp), {}
     t = cs.Trainer(cs.tiny_cfg(str(tmp / "run")))
     t.train(1, 1)  # optimizer state exists
     root = ck.checkpoints_root(t.cfg)
-    ck.save_checkpoint(root, 1, t.model, t.optimizer, t.scheduler, {"step": 1, "note": "x"}, t.cfg, keep_last=1)
-    latest = ck.find_latest(root)
+    ck.save(root, 1, t.model, t.optimizer, t.scheduler, {"step": 1, "note": "x"}, t.cfg, keep_last=1)
+    latest = ck.latest(root)
 
     # Our own full checkpoint loads under the restrictions (index classes, RNG objects, common.pt).
     fresh = cs.Trainer(t.cfg, seed=7)
-    out["own"] = _attempt(lambda: ck.load_checkpoint(latest, fresh.model, fresh.optimizer, fresh.scheduler, cfg=fresh.cfg))
+    out["own"] = _attempt(lambda: ck.load(latest, fresh.model, fresh.optimizer, fresh.scheduler, cfg=fresh.cfg))
 
     # Users set this to read old checkpoints; it turns megatron-core's plain torch.load(common.pt) unsafe.
     os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
@@ -90,7 +90,7 @@ def test_crafted_checkpoint_files_run_nothing(tmp_path):
 def test_converter_reader_refuses_a_crafted_index(tmp_path, monkeypatch):
     from megatron_recipes.config.errors import RecipeError
     from megatron_recipes.convert.dcp_io import CheckpointReader
-    from megatron_recipes.training.checkpoint_trust import TRUST_ENV
+    from megatron_recipes.checkpoint import TRUST_ENV
 
     monkeypatch.delenv(TRUST_ENV, raising=False)
     sentinel = tmp_path / "SENTINEL"

@@ -90,7 +90,8 @@ def test_missing_pretrained_is_a_rule_violation():
 def _errors_job():
     from megatron_recipes.models.builder import build_model_chunks
     from megatron_recipes.peft import apply_peft
-    from megatron_recipes.peft.state import checkpoint_state, prepare_for_training
+    from megatron_recipes import checkpoint
+    from megatron_recipes.checkpoint._adapters import model_state as checkpoint_state
     from megatron_recipes.runtime.distributed import init_model_parallel
 
     out = {}
@@ -120,7 +121,7 @@ def _errors_job():
     out["trainable_names"] = sorted(n for n, p in chunks[0].named_parameters() if p.requires_grad)
 
     cfg = ps.tiny_cfg(1, "peft.method=lora", "checkpoint.pretrained=/nonexistent/base")
-    attempt("pretrained", lambda: prepare_for_training(cfg, build_model_chunks(cfg)))
+    attempt("pretrained", lambda: checkpoint.start_of(cfg, adapters_only=True).load_weights(build_model_chunks(cfg)))
     return out
 
 

@@ -79,12 +79,12 @@ def _max_abs(a, b):
 
 def test_checkpoints_hold_adapters_only(env):
     from megatron_recipes.convert.dcp_io import CheckpointReader
-    from megatron_recipes.training.checkpoint import find_latest
+    from megatron_recipes.checkpoint import latest
 
     _, runs, _ = env
-    keys = [k for k in CheckpointReader(find_latest(runs["lora"] / "checkpoints")).tensors() if not k.startswith("optimizer")]
+    keys = [k for k in CheckpointReader(latest(runs["lora"] / "checkpoints")).tensors() if not k.startswith("optimizer")]
     assert keys and all(k.rsplit(".", 1)[-1] in ("lora_a", "lora_b") for k in keys), keys[:8]
-    dora = CheckpointReader(find_latest(runs["dora"] / "checkpoints")).tensors()
+    dora = CheckpointReader(latest(runs["dora"] / "checkpoints")).tensors()
     assert any(k.endswith("magnitude") for k in dora)
 
 

@@ -57,9 +57,9 @@ def test_lora_loss_falls_and_checkpoints_hold_adapters(setup):
     assert _falls(losses), losses
     assert "trainable params: 131,072 || all params: 1,967,232 || trainable%: 6.6628" in run.output
     from megatron_recipes.convert.dcp_io import CheckpointReader
-    from megatron_recipes.training.checkpoint import find_latest
+    from megatron_recipes.checkpoint import latest
 
-    keys = [k for k in CheckpointReader(find_latest(run.run_dir / "checkpoints")).tensors() if not k.startswith("optimizer")]
+    keys = [k for k in CheckpointReader(latest(run.run_dir / "checkpoints")).tensors() if not k.startswith("optimizer")]
     assert keys and all(k.endswith(("lora_a", "lora_b")) for k in keys)
 
 

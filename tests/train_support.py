@@ -125,12 +125,13 @@ def _save_initial_weights(recipe: str, overrides: Sequence[str], root: str) -> s
     from megatron_recipes.config.compose import compose_recipe
     from megatron_recipes.models.builder import build_model_chunks
     from megatron_recipes.runtime import distributed
-    from megatron_recipes.training import checkpoint, optim
+    from megatron_recipes import checkpoint
+    from megatron_recipes.training import optim
 
     cfg = compose_recipe(recipe, list(overrides))
     distributed.init_model_parallel(cfg)
     model = optim.wrap_model(cfg, build_model_chunks(cfg))
-    return str(checkpoint.save_checkpoint(Path(root), 0, model, None, None, {"step": 0}, cfg, keep_last=0))
+    return str(checkpoint.save(Path(root), 0, model, None, None, {"step": 0}, cfg, keep_last=0))
 
 
 def initial_weights(root: Path, cache_dir: Path, *overrides: str, recipe: str = "tiny_llama_cpu") -> Path:

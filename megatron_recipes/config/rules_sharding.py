@@ -138,7 +138,7 @@ def _fsdp_pp(cfg: RunConfig) -> Optional[str]:
     "fsdp.checkpoint_format",
     ["parallel.fsdp", "parallel.tp", "model.num_moe_experts", "optimizer.cpu_offload", "checkpoint.save",
      "checkpoint.load"],
-    "Megatron-FSDP runs save and resume megatron-core's fsdp_dtensor format (training/checkpoint_fsdp.py) with "
+    "Megatron-FSDP runs save and resume megatron-core's fsdp_dtensor format (checkpoint/_fsdp.py) with "
     "parallel.tp=1, a dense model and no optimizer offload: that is what is proven on the CPU lane "
     "(tests/test_checkpoint_fsdp.py); with TP > 1 its DTensors hold megatron-core's per-rank TP layout, expert "
     "parameters are not covered, and HybridDeviceOptimizer's state (GPU only) is not proven in that format",

@@ -23,6 +23,7 @@ from enum import Enum
 from pathlib import Path
 from typing import List, Optional
 
+from megatron_recipes import checkpoint
 from megatron_recipes.cli_args import MISSING, options, split_args
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.convert.layout import DTYPES
@@ -193,9 +194,7 @@ def main(argv: List[str]) -> int:
     if action == "verify" and (args.flags.get("overwrite") or args.flags.get("no-verify")):
         raise RecipeError(f"{PROG} verify takes no --overwrite/--no-verify", fix="drop the flag")
     if args.flags.get("trust-checkpoint"):  # let its pickled objects run code: only for checkpoints you trust
-        from megatron_recipes.training.checkpoint_trust import TRUST_ENV
-
-        os.environ[TRUST_ENV] = "1"
+        os.environ[checkpoint.TRUST_ENV] = "1"
     return handler(args.overrides, args.flags)
 
 

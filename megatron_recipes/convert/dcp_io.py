@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron_recipes import checkpoint
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.convert.target import Item
-from megatron_recipes.training.checkpoint_trust import restricted_loading
 
 Produce = Callable[[Item], torch.Tensor]
 
@@ -157,7 +157,7 @@ class _CachedReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args, **kwargs):
         if self._metadata is None:
-            with restricted_loading():  # .metadata is a pickle: only the index record classes (SECURITY.md)
+            with checkpoint.restricted_loading():  # .metadata is a pickle: only the index record classes (SECURITY.md)
                 self._metadata = super().read_metadata(*args, **kwargs)
         return self._metadata
 
@@ -205,15 +205,13 @@ class CheckpointReader:
         RecipeError naming the tensor and the cause (not torch's per-rank tracebacks)."""
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-        from megatron_recipes.training.checkpoint_io import root_cause
-
         try:
             return self._read(item, dtype)
         except RecipeError:
             raise
         except (Exception, CheckpointException) as exc:
             raise RecipeError(
-                f"checkpoint '{self.directory}' could not be read at tensor {item.key} ({root_cause(exc)})",
+                f"checkpoint '{self.directory}' could not be read at tensor {item.key} ({checkpoint.root_cause(exc)})",
                 fix="the checkpoint is damaged or was copied incompletely; use another one (or copy it again)",
             ) from None
 

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_recipes import checkpoint
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import ParallelConfig, RunConfig
 from megatron_recipes import families
@@ -119,17 +120,12 @@ def run_export(
     progress: bool = True,
 ) -> ExportReport:
     from megatron_recipes.progress import Progress
-    from megatron_recipes.config.compose import from_yaml
-    from megatron_recipes.training import checkpoint_identity as identity
-    from megatron_recipes.training import checkpoint_store as store
 
     began = time.perf_counter()
     hf_dir = Path(hf_dir).expanduser()
     staging.check_target(hf_dir, overwrite, lambda p: (p / INDEX_NAME).exists() or (p / "config.json").exists(), "hf_dir")
-    resolved = store.resolve_dir(Path(ckpt))
-    meta = store.read_meta(resolved)
-    cfg = from_yaml(resolved / store.CONFIG)
-    identity.check_same_model(meta, cfg, resolved)
+    resolved, cfg, meta = checkpoint.read_run(ckpt)
+    checkpoint.check_same_model(meta, cfg, resolved)
     if getattr(cfg, "peft", None) is not None and cfg.peft.method != "none":
         raise RecipeError(
             f"checkpoint '{resolved}' is a peft.method={cfg.peft.method} run: it holds adapters, not a whole model",

@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_recipes import checkpoint
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import ModelConfig, ParallelConfig, RunConfig, RunDirConfig
 from megatron_recipes import families
@@ -172,9 +173,7 @@ def train_command(out_dir: Path, model_name: str, recipe: str = "<recipe>") -> s
 
 
 def looks_like_import(path: Path) -> bool:
-    from megatron_recipes.training import checkpoint_store as store
-
-    return (path / store.TRACKER).exists() and (path / MODEL_GROUP).is_dir()
+    return (path / checkpoint.TRACKER).exists() and (path / MODEL_GROUP).is_dir()
 
 
 def run_import(
@@ -187,8 +186,6 @@ def run_import(
 ) -> ImportReport:
     """Convert ``hf_dir`` into a checkpoint root at ``out_dir`` for ``parallel``; see the module docstring."""
     from megatron_recipes.progress import Progress
-    from megatron_recipes.training import checkpoint as engine
-    from megatron_recipes.training import checkpoint_store as store
 
     began = time.perf_counter()
     out_dir = Path(out_dir).expanduser()
@@ -218,18 +215,18 @@ def run_import(
         with staging.atomic_dir(out_dir) as tmp, Progress(
             "import", total=total, unit="B", items_total=len(steps), items_unit="tensors", enabled=progress
         ) as bar:
-            ckpt_staging = store.prepare_staging(tmp, 0)
+            ckpt_staging = checkpoint.prepare_staging(tmp, 0)
             with PeakRss() as peak:
                 dcp_io.write_items(ckpt_staging, lay.items, produce, lay.objects, on_item=lambda it: bar.update(it.nbytes, items=1))
             dcp_io.write_megatron_files(ckpt_staging, lay.common)
-            engine.finish_weights_only(tmp, 0, cfg)
+            checkpoint.finish_weights_only(tmp, 0, cfg)
             write_model_yaml(source.model, tmp)
             copy_assets(source.hf_dir, tmp / HF_ASSETS)
         seconds = time.perf_counter() - start
     notes = [source.family.notes] if source.family.notes else []
     return ImportReport(
         out_dir=out_dir,
-        checkpoint=store.iter_dir(out_dir, 0),
+        checkpoint=checkpoint.iter_dir(out_dir, 0),
         cfg=cfg,
         seconds=seconds,
         total_seconds=time.perf_counter() - began,

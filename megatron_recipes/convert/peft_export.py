@@ -29,8 +29,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_recipes import checkpoint
 from megatron_recipes.config import peft_methods as methods
-from megatron_recipes.config.compose import from_yaml
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import ParallelConfig, PeftConfig, RunConfig
 from megatron_recipes import families
@@ -53,7 +53,6 @@ from megatron_recipes.peft.lora import LoRALinear, merge_and_unload
 from megatron_recipes.peft.state import peft_active, prepare_for_training
 from megatron_recipes.plan.params import model_params
 from megatron_recipes.runtime.distributed import init_model_parallel, shutdown
-from megatron_recipes.training import checkpoint, checkpoint_store as store
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -74,13 +73,8 @@ class PeftExportReport:
         return f"wrote a {what} to {self.out_dir} ({self.tensors} tensors; modules: {', '.join(self.target_modules)})"
 
 
-def run_config_of(ckpt: Path) -> Tuple[Path, RunConfig, dict]:
-    resolved = store.resolve_dir(Path(ckpt))
-    return resolved, from_yaml(resolved / store.CONFIG), store.read_meta(resolved)
-
-
 def is_peft_checkpoint(ckpt: Path) -> bool:
-    _, cfg, _ = run_config_of(ckpt)
+    _, cfg, _ = checkpoint.read_run(ckpt)
     return peft_active(cfg)
 
 
@@ -95,7 +89,7 @@ def _single_rank(cfg: RunConfig) -> RunConfig:
 
 def load_trained(ckpt: Path):
     """``(cfg, chunks, meta)``: the run's model on this one process, base + adapters, ready to use."""
-    resolved, run_cfg, meta = run_config_of(ckpt)
+    resolved, run_cfg, meta = checkpoint.read_run(ckpt)
     if not peft_active(run_cfg):
         raise RecipeError(
             f"checkpoint '{resolved}' is not from a PEFT run (its config.yaml has peft.method={run_cfg.peft.method})",
@@ -104,8 +98,11 @@ def load_trained(ckpt: Path):
     cfg = _single_rank(run_cfg)
     init_model_parallel(cfg)
     chunks = build_model_chunks(cfg)
+    this_checkpoint = dataclasses.replace(cfg.checkpoint, load=str(resolved))
+    start = checkpoint.start_of(dataclasses.replace(cfg, checkpoint=this_checkpoint), adapters_only=True)
+    start.load_weights(chunks)  # the run's base, decided as the run decided it
     prepare_for_training(cfg, chunks)
-    checkpoint.load_checkpoint(resolved, chunks, None, None, cfg=cfg)
+    checkpoint.load(start.resume_from, chunks, None, None, cfg=cfg)  # its adapters
     for chunk in chunks:
         chunk.eval()
     return cfg, chunks, meta
@@ -195,7 +192,7 @@ def export_adapter(
 
     out_dir = Path(out_dir).expanduser()
     staging.check_target(out_dir, overwrite, _looks_like_adapter, "adapter folder")
-    resolved, run_cfg, _ = run_config_of(ckpt)
+    resolved, run_cfg, _ = checkpoint.read_run(ckpt)
     method = methods.parse(run_cfg.peft.method) if not methods.why_not(run_cfg.peft.method) else None
     if method is not None and method.prefix:
         raise RecipeError(
@@ -229,7 +226,7 @@ def export_merged(
     """Merged HF weights through the conversion engine's export; returns its ``ExportReport``."""
     hf_dir = Path(hf_dir).expanduser()
     staging.check_target(hf_dir, overwrite, lambda p: (p / INDEX_NAME).exists() or (p / "config.json").exists(), "hf_dir")
-    resolved, run_cfg, meta = run_config_of(ckpt)
+    resolved, run_cfg, meta = checkpoint.read_run(ckpt)
     if hf_assets is None:
         _, hf_assets = _hf_flags(run_cfg, resolved, None)
     work = Path(tempfile.mkdtemp(prefix=".merged-", dir=str(hf_dir.parent if hf_dir.parent.exists() else Path.cwd())))
@@ -239,7 +236,7 @@ def export_merged(
             merge_and_unload(chunks)
             plain = dataclasses.replace(cfg, peft=PeftConfig())
             step = int(meta.get("step") or 0)
-            checkpoint.save_checkpoint(work, step, chunks, None, None, {"step": step}, plain, keep_last=0)
+            checkpoint.save(work, step, chunks, None, None, {"step": step}, plain, keep_last=0)
         finally:
             shutdown()
         return run_export(
@@ -321,7 +318,7 @@ def peft_logits(ckpt: Path, adapter_dir: Path, tokens: torch.Tensor, assets: Opt
     except ImportError:
         raise RecipeError("checking an adapter export needs the peft package", fix="pip install peft, or pass --no-verify") from None
 
-    _, run_cfg, _ = run_config_of(ckpt)
+    _, run_cfg, _ = checkpoint.read_run(ckpt)
     with tempfile.TemporaryDirectory(prefix=".peft-base-", dir=str(Path(adapter_dir).parent)) as tmp:
         base_dir = Path(tmp) / "base"
         run_export(Path(run_cfg.checkpoint.pretrained), base_dir, hf_assets=assets, dtype="fp32", progress=False)
@@ -340,5 +337,5 @@ def _should_verify(ckpt: Path, flags: Dict[str, object]) -> bool:
         raise RecipeError("--verify and --no-verify contradict each other", fix="pass one of them")
     if flags.get("verify") or flags.get("no-verify"):
         return bool(flags.get("verify"))
-    _, cfg, _ = run_config_of(ckpt)
+    _, cfg, _ = checkpoint.read_run(ckpt)
     return model_params(_single_rank(cfg)).total <= SMALL_MODEL_PARAMS

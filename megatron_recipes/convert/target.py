@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_recipes import checkpoint
 from megatron_recipes.config.schema import ParallelConfig, RunConfig
 from megatron_recipes.families.family import LAYER
 
@@ -92,8 +93,8 @@ class Layout:
 def checkpoint_layout(cfg: RunConfig, state: Optional[Dict[str, object]] = None) -> Layout:
     """Every tensor of ``cfg.model``'s checkpoint at ``cfg.parallel``'s vocabulary padding, in model order.
 
-    The state dict is exactly what ``training.checkpoint.save_checkpoint`` stores for weights only (same
-    ``sharded_state_dict`` metadata, same top-level keys), split by megatron-core's own ``save_preprocess``.
+    The state dict is exactly what ``checkpoint.save`` stores for weights only (``checkpoint.weights_state``:
+    same ``sharded_state_dict`` metadata, same top-level keys), split by megatron-core's own ``save_preprocess``.
     """
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -102,7 +103,6 @@ def checkpoint_layout(cfg: RunConfig, state: Optional[Dict[str, object]] = None)
     from megatron_recipes.models.builder import build_gpt_model
     from megatron_recipes.models.transformer_config import build_transformer_config
     from megatron_recipes.runtime.distributed import init_model_parallel, shutdown
-    from megatron_recipes.training import checkpoint_io as engine_io
 
     meta = _meta_config(cfg)
     init_model_parallel(meta)
@@ -111,10 +111,7 @@ def checkpoint_layout(cfg: RunConfig, state: Optional[Dict[str, object]] = None)
         config.perform_initialization = False
         with torch.device("meta"):
             model = build_gpt_model(meta, config=config, use_te=False)
-            metadata = engine_io.sharded_metadata(None)
-            sharded = engine_io.model_state([model], metadata)
-            sharded["state"] = dict(state or {"step": 0})
-            sharded["content_metadata"] = {k: v for k, v in metadata.items() if isinstance(v, (str, int, float, bool))}
+            sharded = checkpoint.weights_state([model], state or {"step": 0})
             sharded_part, common = save_preprocess(sharded, validate_access_integrity=False)
         grouped: Dict[Tuple[str, Tuple[int, ...]], Item] = {}
         objects: Dict[str, object] = {}

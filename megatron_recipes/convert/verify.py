@@ -1,7 +1,7 @@
 """A conversion proves itself: logits of the HF model and of our checkpoint on the same prompt batch.
 
 The megatron side runs exactly as training would: the recipe's model built by ``models.builder`` at a
-real layout (TP/PP/EP ranks as processes), weights loaded through ``training.checkpoint.load_weights``,
+real layout (TP/PP/EP ranks as processes), weights loaded through ``checkpoint.load_weights``,
 a forward pass through megatron-core's pipeline schedule, TP-sharded logits gathered, padded vocabulary
 cut. Both sides run in float32. The comparison reports max/mean absolute difference, the lowest cosine
 similarity over positions and top-1 agreement; it fails when max-abs exceeds the tolerance
@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from megatron_recipes import checkpoint
 from megatron_recipes.config import derived
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import ParallelConfig, RunConfig
@@ -102,12 +103,8 @@ class Job:
 
 def checkpoint_config(ckpt: Path, parallel: ParallelConfig, world: int) -> RunConfig:
     """The checkpoint's own recipe in float32 at ``parallel``, padding the vocabulary to its row count."""
-    from megatron_recipes.config.compose import from_yaml
-    from megatron_recipes.training import checkpoint_store as store
-
-    resolved = store.resolve_dir(Path(ckpt))
-    cfg = from_yaml(resolved / store.CONFIG)
-    rows = (store.read_meta(resolved).get("layout") or {}).get("padded_vocab_size")
+    _, cfg, meta = checkpoint.read_run(ckpt)
+    rows = (meta.get("layout") or {}).get("padded_vocab_size")
     model = cfg.model
     if rows and rows % parallel.tp == 0 and derived.padded_vocab_size(model, parallel.tp) != rows:
         model = dataclasses.replace(model, make_vocab_size_divisible_by=rows // parallel.tp)
@@ -162,19 +159,18 @@ def rank_jobs(jobs: Sequence[Job], world: int) -> None:
     """Run ``jobs`` in order on this rank (spawned by ``ranks.run_ranks``)."""
     from megatron_recipes.models.builder import build_model_chunks
     from megatron_recipes.runtime.distributed import init_model_parallel, shutdown
-    from megatron_recipes.training import checkpoint as engine
 
     try:
         for job in jobs:
             cfg = checkpoint_config(Path(job.ckpt), job.parallel, world)
             init_model_parallel(cfg)
             chunks = build_model_chunks(cfg)
-            engine.load_weights(Path(job.ckpt), chunks, cfg)
+            checkpoint.load_weights(Path(job.ckpt), chunks, cfg)
             logits = forward_logits(cfg, chunks, torch.load(job.tokens))
             if logits is not None and job.logits_out:
                 torch.save(logits, job.logits_out)
             if job.resave_root:
-                engine.save_checkpoint(Path(job.resave_root), 0, chunks, None, None, {"step": 0}, cfg, keep_last=0)
+                checkpoint.save(Path(job.resave_root), 0, chunks, None, None, {"step": 0}, cfg, keep_last=0)
             torch.distributed.barrier()
     finally:
         shutdown()
@@ -228,10 +224,8 @@ def check_same_model(hf_dir: Path, cfg: RunConfig, ckpt: Path) -> None:
 
 def run_verify(hf_dir: Path, ckpt: Path, parallel: Optional[ParallelConfig] = None, tolerance: float = TOLERANCE) -> Metrics:
     """Compare ``hf_dir`` and ``ckpt`` logits at a layout; prints the table, raises RecipeError beyond tolerance."""
-    from megatron_recipes.training import checkpoint_store as store
-
-    resolved = store.resolve_dir(Path(ckpt))
-    meta = store.read_meta(resolved)
+    resolved = checkpoint.resolve(Path(ckpt))
+    meta = checkpoint.read_meta(resolved)
     layout = verify_layout(meta.get("layout") or {}, parallel)
     world = layouts.min_world_size(layout)
     if world > max_local_ranks():

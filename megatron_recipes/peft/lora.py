@@ -28,6 +28,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron_recipes.checkpoint import AdapterModule
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.peft.linears import LinearLayout, keep_child_keys, layout_of, make_param, sharded, uniform
 from megatron_recipes.peft.ptuning import PrefixCoreAttention
@@ -38,7 +39,7 @@ def _group_rank(group) -> int:
     return group.rank() if group is not None else 0
 
 
-class LoRALinear(torch.nn.Module):
+class LoRALinear(torch.nn.Module, AdapterModule):
     """A frozen base linear plus a trainable low-rank update (and DoRA magnitude)."""
 
     def __init__(

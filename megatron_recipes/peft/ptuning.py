@@ -25,6 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from megatron_recipes.checkpoint import AdapterModule
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.peft.linears import keep_child_keys, make_param, normal, sharded, uniform
 
@@ -85,7 +86,7 @@ def _is_te_attention(module: torch.nn.Module) -> bool:
     return isinstance(TEDotProductAttention, type) and isinstance(module, TEDotProductAttention)
 
 
-class PrefixCoreAttention(torch.nn.Module):
+class PrefixCoreAttention(torch.nn.Module, AdapterModule):
     """The original core attention, called with prefix keys/values in front and the mask widened."""
 
     def __init__(self, inner: torch.nn.Module, prefix: PrefixKV):

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from megatron_recipes import checkpoint
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.training import checkpoint_store, sinks
+from megatron_recipes.training import sinks
 from megatron_recipes.training.preemption import read_marker
 
 
@@ -53,10 +54,10 @@ def _checkpoints(root: Path) -> List[Checkpoint]:
     if not root.is_dir():
         return out
     for path in sorted(root.iterdir()):
-        step = checkpoint_store.step_of(path)
+        step = checkpoint.step_of(path)
         if step is None or not path.is_dir():
             continue
-        out.append(Checkpoint(step, path, checkpoint_store.is_complete(path), _size(path)))
+        out.append(Checkpoint(step, path, checkpoint.is_complete(path), _size(path)))
     return sorted(out, key=lambda c: c.step)
 
 

@@ -11,7 +11,7 @@ applied where it begins, explicitly:
 * ``cpu_lane``: ``runtime/cpu_lane.activate`` (no CUDA);
 * ``local_mla``: building an MLA model on the local (non-TE) spec (``models/local_mla.py``);
 * ``optimizer``: ``training/optim.build_optimizer``, with the optimizer (some rows fix that object);
-* ``save``: around each synchronous checkpoint save (``checkpoint_io.save``), undone afterwards.
+* ``save``: around each synchronous checkpoint save (``checkpoint._mcore.save``), undone afterwards.
 """
 
 from __future__ import annotations

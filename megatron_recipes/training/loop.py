@@ -1,7 +1,8 @@
 """The training loop of one rank: recipe in, megatron-core trains, metrics and checkpoints out.
 
 Order of work: validate (before any process group), process groups, data artefacts, model + DDP +
-optimizer + schedule, resume (latest complete checkpoint, or pretrained weights), datasets, then steps.
+optimizer + schedule, resume (``checkpoint.start_of`` decides: latest complete checkpoint, or pretrained
+weights loaded before wrapping), datasets, then steps.
 Every rank runs the same code; only rank 0 writes the run directory's files other than checkpoints.
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from megatron_recipes import files
+from megatron_recipes import checkpoint, files
 from megatron_recipes.config import derived
 from megatron_recipes.config.compose import to_yaml
 from megatron_recipes.config.errors import RecipeError
@@ -21,11 +22,9 @@ from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.models import capabilities, fusions
 from megatron_recipes.plan import cost
 from megatron_recipes.report import run_facts, write_report_after_run
+from megatron_recipes.peft.state import peft_active, prepare_for_training
 from megatron_recipes.runtime import distributed, versions
 from megatron_recipes.training import (
-    checkpoint,
-    checkpoint_store,
-    checkpointing,
     metrics,
     optim,
     run_lock,
@@ -61,10 +60,10 @@ def preflight(cfg: RunConfig) -> None:
         for b in [blend, *(per_split or [])]:
             for prefix in (b[0] if b else []):
                 check_indexed_prefix(prefix)
-    resumes = checkpoint.resolve_load(cfg)  # an explicit checkpoint.load path must hold a complete checkpoint
-    if cfg.checkpoint.pretrained and resumes is None:
+    start = checkpoint.start_of(cfg, adapters_only=peft_active(cfg))  # a checkpoint.load path must be complete
+    if start.weights is not None:  # and so must the weights it starts from
         try:
-            checkpoint_store.resolve_dir(Path(cfg.checkpoint.pretrained))
+            checkpoint.resolve(start.weights)
         except RecipeError as exc:
             raise RecipeError(
                 f"checkpoint.pretrained={cfg.checkpoint.pretrained}: {exc.message}", fix=_producer_hint(cfg) or exc.fix
@@ -133,12 +132,11 @@ class Trainer:
     def build(self) -> None:
         from megatron_recipes.models.builder import build_model_chunks
 
-        from megatron_recipes.peft.state import prepare_for_training
-
         self.tokenizer = self.prepare_data_artifacts()
         chunks = build_model_chunks(self.cfg)
-        self.peft = prepare_for_training(self.cfg, chunks)  # PEFT: pretrained base, then adapters (before DDP)
-        checkpointing.load_pretrained_before_fsdp(self.cfg, chunks)
+        self.start = checkpoint.start_of(self.cfg, adapters_only=peft_active(self.cfg))
+        self.start.load_weights(chunks)  # pretrained, PEFT base or own seed: into the bare chunks, before wrapping
+        self.peft = prepare_for_training(self.cfg, chunks)  # PEFT adapters (before DDP)
         self.model = optim.wrap_model(self.cfg, chunks)
         optim.configure_schedule_hooks(self.model)
         self.optimizer = optim.build_optimizer(self.cfg, self.model)
@@ -149,7 +147,7 @@ class Trainer:
 
     def resume(self) -> int:
         """Step to continue from: a checkpoint's (restoring everything), else 0 (maybe from pretrained)."""
-        state = checkpointing.resume(self.cfg, self.model, self.optimizer, self.scheduler) or {}
+        state = self.start.resume(self.model, self.optimizer, self.scheduler) or {}
         step_ = int(state.get("step", 0))
         self.consumed_samples = int(state.get("consumed_samples", step_ * self.cfg.train.global_batch_size))
         return step_
@@ -193,7 +191,6 @@ class Trainer:
         initialisation differs: pipeline stages build different layers), so layouts compare step for step.
         """
         from megatron_recipes.models.builder import build_model_chunks
-        from megatron_recipes.peft.state import peft_active
 
         if peft_active(self.cfg):
             raise RecipeError(
@@ -201,7 +198,7 @@ class Trainer:
                 fix="write the seed with the pretraining recipe (or peft=none); fine-tuning starts from its base weights",
             )
         model = optim.wrap_model(self.cfg, build_model_chunks(self.cfg))
-        path = checkpointing.save_seed(self.cfg, model)
+        path = self._save_checkpoint(0, 0, model, None, None)
         self._say(
             f"seed checkpoint (step-0 weights, {self.cfg.model.name}) written: {path}\n"
             f"  start any layout from it: megatron-recipes train {self.cfg.run.name} checkpoint.pretrained={path} "
@@ -325,7 +322,7 @@ class Trainer:
             return
         if self.sink is not None:
             self.sink.log(self.step, {"loss": result.loss, "grad_norm": result.grad_norm, "diverged": True})
-        latest = checkpointing.latest(self.cfg)
+        latest = checkpoint.latest(self.cfg)
         kept = f"the last good checkpoint is kept: {latest}" if latest else "no checkpoint was written before it"
         raise TrainingDiverged(
             f"training diverged at step {self.step}: {' and '.join(bad)} = "
@@ -340,7 +337,14 @@ class Trainer:
             return
         self.last_saved = self.step
         optim.finish_param_sync(self.model)  # else other ranks' shards would be the previous step's
-        checkpointing.save(self.cfg, self.step, self.consumed_samples, self.model, self.optimizer, self.scheduler)
+        self._save_checkpoint(self.step, self.consumed_samples, self.model, self.optimizer, self.scheduler)
+
+    def _save_checkpoint(self, step_: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
+        """``consumed_samples`` is the whole data-iterator state (the batch iterator is a pure function of it);
+        no optimizer (the step-0 seed) makes a weights-only checkpoint."""
+        state = {"step": step_, "consumed_samples": consumed_samples}
+        root = checkpoint.checkpoints_root(self.cfg)
+        return checkpoint.save(root, step_, model, optimizer, scheduler, state, self.cfg, self.cfg.checkpoint.keep_last)
 
     # ----- output -------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -412,7 +416,7 @@ class Trainer:
             lines.append(f"  task accuracy (validation answers reproduced exactly): {accs[0]:.1%} -> {accs[-1]:.1%}")
         if self.entropy is not None:
             lines.append(f"  unigram entropy of the corpus: {self.entropy:.4f} nats/token (a model ignoring context)")
-        latest = checkpointing.latest(self.cfg)
+        latest = checkpoint.latest(self.cfg)
         if latest:
             lines.append(f"  checkpoint: {latest}")
         if (self.run_dir / sinks.PLOT_NAME).is_file():
@@ -439,7 +443,7 @@ def run(cfg: RunConfig, recipe: str = "recipe") -> int:
         # Saves that never finished (killed, disk full) are this run's own leftovers: the lock says no
         # other run is writing here.
         checkpoint.on_rank0("cleaning unfinished saves",
-                            lambda: checkpoint_store.clean_leftovers(checkpoint.checkpoints_root(cfg)))
+                            lambda: checkpoint.clean_leftovers(checkpoint.checkpoints_root(cfg)))
         trainer = Trainer(cfg, runtime)
         try:
             return trainer.fit()

@@ -15,7 +15,7 @@ from pathlib import Path
 def _install() -> None:
     import torch
 
-    from megatron_recipes.training import checkpoint_io
+    from megatron_recipes.checkpoint import _mcore as checkpoint_io
 
     kill_step, kill_rank = int(os.environ["KILL_AT_STEP"]), int(os.environ.get("KILL_RANK", "0"))
     original = checkpoint_io.save

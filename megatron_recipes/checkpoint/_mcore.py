@@ -23,11 +23,13 @@ import errno
 import logging
 import random
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 
+from megatron_recipes.checkpoint import _adapters
+from megatron_recipes.checkpoint._trust import UntrustedCheckpoint, causes
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.runtime import patches
 
@@ -63,11 +65,14 @@ def sharded_metadata(optimizer_format: Optional[str]) -> Dict[str, Any]:
     return meta
 
 
-def model_state(chunks: List[torch.nn.Module], metadata: Dict[str, Any]) -> Dict[str, Any]:
-    from megatron_recipes.peft.state import checkpoint_state  # adapters only, for models that have them
+def content_metadata(metadata: Dict[str, Any]) -> Dict[str, Any]:
+    """The plain values of ``metadata`` megatron-core stores with the checkpoint (``content_metadata``)."""
+    return {k: v for k, v in metadata.items() if isinstance(v, (str, int, float, bool))}
 
-    models = unwrap(chunks)
-    return {key: checkpoint_state(m, metadata) for key, m in zip(chunk_keys(len(models)), models)}
+
+def model_state(chunks: List[torch.nn.Module], metadata: Dict[str, Any]) -> Dict[str, Any]:
+    models = unwrap(chunks)  # adapters only, for models that have them
+    return {key: _adapters.model_state(m, metadata) for key, m in zip(chunk_keys(len(models)), models)}
 
 
 def optimizer_state(optimizer, model_sd: Dict[str, Any], metadata: Dict[str, Any], is_loading: bool):
@@ -277,8 +282,6 @@ def tensor_mismatches(sharded_sd: Dict[str, Any], directory: Path, limit: int = 
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 
-    from megatron_recipes.training.checkpoint_trust import UntrustedCheckpoint
-
     try:
         stored = dist_checkpointing.load_tensors_metadata(str(directory))
     except UntrustedCheckpoint:
@@ -303,20 +306,6 @@ def all_ranks(items: List[str]) -> List[str]:
     gathered: List[Optional[List[str]]] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, items)
     return sorted({item for rank_items in gathered for item in (rank_items or [])})
-
-
-def causes(exc: BaseException) -> Iterator[BaseException]:
-    """``exc`` and everything behind it: causes, contexts, and the per-rank failures torch DCP wraps."""
-    seen, stack = set(), [exc]
-    while stack:
-        item = stack.pop()
-        if item is None or id(item) in seen:
-            continue
-        seen.add(id(item))
-        yield item
-        stack += [item.__cause__, item.__context__]
-        for failure in (getattr(item, "failures", None) or {}).values():  # rank -> (exception, stack)
-            stack.append(failure[0] if isinstance(failure, tuple) and failure else failure)
 
 
 def root_cause(exc: BaseException) -> str:

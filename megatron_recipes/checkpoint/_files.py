@@ -1,4 +1,5 @@
-"""On-disk layout of a run's checkpoints: iteration folders, the completion marker, the tracker, retention.
+"""On-disk layout of a run's checkpoints: iteration folders, the completion marker, the tracker, retention,
+and the run description each checkpoint carries (``meta.json``, ``config.yaml``).
 
 Why a layout of its own: a save can be killed at any byte (SIGKILL, preemption, a node dying), so a reader
 must never mistake a half-written folder for a checkpoint. Every save is written under a staging name
@@ -18,13 +19,15 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from megatron_recipes import files
 from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.config.schema import RunConfig
 
 log = logging.getLogger(__name__)
 
+CHECKPOINTS = "checkpoints"  # a run's checkpoints live in run.dir/checkpoints
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"  # ours; megatron-core writes its own metadata.json next to it
 CONFIG = "config.yaml"
@@ -34,9 +37,14 @@ STAGING_SUFFIX = ".incomplete"
 DELETING_SUFFIX = ".deleting"
 # Files megatron-core's torch_dist format writes once the sharded save has finished on every rank.
 MCORE_FILES = ("metadata.json", ".metadata", "common.pt")
-FSDP_DTENSOR_FILES = (".metadata",)  # Megatron-FSDP checkpoints: torch DCP's index (training/checkpoint_fsdp.py)
+FSDP_DTENSOR_FILES = (".metadata",)  # Megatron-FSDP checkpoints: torch DCP's index (checkpoint/_fsdp.py)
 
 _ITER = re.compile(r"^iter_(\d{7,})$")
+
+
+def checkpoints_root(cfg: RunConfig) -> Path:
+    """Where a run's checkpoints live: ``run.dir/checkpoints``."""
+    return Path(cfg.run.dir).expanduser() / CHECKPOINTS
 
 
 def iter_dir(root: Path, step: int) -> Path:
@@ -132,15 +140,15 @@ def complete_checkpoints(root: Path) -> List[Tuple[int, Path]]:
     return sorted(found)
 
 
-def find_latest(root: Path) -> Optional[Path]:
-    """The newest complete checkpoint under ``root``, or None.
+def latest(where: Union[RunConfig, Path]) -> Optional[Path]:
+    """The newest complete checkpoint of a run (its ``RunConfig``) or under a checkpoints folder, or None.
 
     A folder counts only with its completion marker (``meta.json`` written last, then the rename from the
     staging name); staging folders left by a killed save are never candidates. The tracker names the newest
     one in normal operation; a complete folder newer than the tracker (a kill between the rename and the
     tracker update) is complete on disk and is used too.
     """
-    root = Path(root)
+    root = checkpoints_root(where) if isinstance(where, RunConfig) else Path(where).expanduser()
     complete = complete_checkpoints(root)
     tracked = read_tracker(root)
     if tracked is not None and tracked not in {step for step, _ in complete}:
@@ -161,13 +169,29 @@ def resolve_dir(path: Path) -> Path:
                 fix="use a complete iter_NNNNNNN folder, or the checkpoints folder to pick its latest complete one",
             )
         return path
-    latest = find_latest(path)
-    if latest is None:
+    found = latest(path)
+    if found is None:
         raise RecipeError(
             f"'{path}' holds no complete checkpoint (no iter_NNNNNNN folder with {META})",
             fix="point at a checkpoint folder written by megatron-recipes train/convert",
         )
-    return latest
+    return found
+
+
+class SavedRun(NamedTuple):
+    """A complete checkpoint folder with the resolved recipe and the description saved with it."""
+
+    path: Path
+    cfg: RunConfig
+    meta: Dict[str, Any]
+
+
+def read_run(path: Path) -> SavedRun:
+    """The checkpoint ``path`` names (a folder, or a checkpoints root's latest) with its recipe and meta.json."""
+    from megatron_recipes.config.compose import from_yaml  # Hydra/OmegaConf: only when a run is read
+
+    resolved = resolve_dir(Path(path))
+    return SavedRun(resolved, from_yaml(resolved / CONFIG), read_meta(resolved))
 
 
 def _remove(path: Path) -> None:

@@ -19,7 +19,7 @@ from megatron_recipes.config import derived
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
 
-CONFIG_NAME = "config.yaml"  # checkpoint_store.CONFIG (the store imports nothing from here)
+CONFIG_NAME = "config.yaml"  # _files.CONFIG (_files imports nothing from here)
 
 # Labels, not architecture: the same weights may be published under another name or family.
 _LABELS = {"name", "family"}

@@ -3,7 +3,7 @@
 Why a second tensor format: in megatron-core 0.16.1 ``MegatronFSDP`` has no ``sharded_state_dict`` and the
 ``DistributedOptimizer`` of an FSDP model raises NotImplementedError for every
 ``distrib_optim_sharding_type`` except ``fsdp_dtensor`` (optimizer/distrib_optimizer.py), so the torch_dist
-checkpoints of ``checkpoint_io`` cannot hold an FSDP run. As Megatron-LM's ``ckpt_format=fsdp_dtensor``
+checkpoints of ``_mcore`` cannot hold an FSDP run. As Megatron-LM's ``ckpt_format=fsdp_dtensor``
 does, the model's own ``state_dict()`` (its parameters as unevenly sharded DTensors, named
 ``module.<GPTModel name>``) and ``optimizer.sharded_state_dict(metadata={"distrib_optim_sharding_type":
 "fsdp_dtensor"})`` (Adam moments as DTensors, keyed by parameter name) go through megatron_fsdp's
@@ -29,9 +29,10 @@ from typing import Any, Dict, List
 import torch
 
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.training import checkpoint_identity as identity
-from megatron_recipes.training import checkpoint_io as io
-from megatron_recipes.training.checkpoint_trust import restricted_loading
+from megatron_recipes.checkpoint import _adapters
+from megatron_recipes.checkpoint import _identity as identity
+from megatron_recipes.checkpoint import _mcore as io
+from megatron_recipes.checkpoint._trust import find_refusal, restricted_loading
 
 BACKEND = "fsdp_dtensor"
 MODEL_PREFIX = "module."  # FullyShardedDataParallel.state_dict(): "module." + the GPTModel's names
@@ -96,8 +97,6 @@ def _dcp_load(state: Dict[str, Any], ckpt: Path, *, alone: bool = False) -> None
     """torch DCP's in-place load; a damaged or foreign file becomes a RecipeError (as ``checkpoint._read``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-
-    from megatron_recipes.training.checkpoint_trust import find_refusal
 
     try:
         dcp.load(state, storage_reader=_reader(ckpt), no_dist=alone)
@@ -337,8 +336,6 @@ def load_weights_into_plain(ckpt: Path, models: List[torch.nn.Module]) -> None:
     from megatron.core.dist_checkpointing.mapping import apply_factory_merges
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 
-    from megatron_recipes.peft.state import load_state
-
     stored = _reader(ckpt).read_metadata().state_dict_metadata
     for model in models:
         sharded, nonpersistent, factories = load_preprocess(model.sharded_state_dict(metadata=io.sharded_metadata(None)))
@@ -362,7 +359,7 @@ def load_weights_into_plain(ckpt: Path, models: List[torch.nn.Module]) -> None:
         loaded.update(nonpersistent)
         if any(isinstance(v, (ShardedTensor, ShardedObject)) for v in nested_values(loaded)):
             raise RecipeError("internal: a sharded entry was left unfilled", fix="report this with the recipe")
-        load_state(model, loaded)
+        _adapters.load_model_state(model, loaded)
 
 
 def _check_stored(ckpt: Path, wanted: Dict[str, List[Any]], stored) -> None:

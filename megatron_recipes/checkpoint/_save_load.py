@@ -1,9 +1,8 @@
-"""Checkpoints of a run: save, find the latest complete one, resume in any layout, load weights only.
+"""Save and load one checkpoint, collectively: every function here runs on every rank.
 
-The engine behind ``checkpoint.*`` in a recipe. Tensors go through megatron-core's distributed
-checkpointing (``checkpoint_io``), so a checkpoint saved at one TP/PP/VPP/DP/EP layout loads at another;
-folders, the completion marker and retention are ``checkpoint_store``; model identity is
-``checkpoint_identity``. Every function here is collective: call it on every rank.
+Tensors go through megatron-core's distributed checkpointing (``_mcore``), so a checkpoint saved at one
+TP/PP/VPP/DP/EP layout loads at another; folders, the completion marker and retention are ``_files``;
+what the checkpoint is *of* is ``_identity``; nothing in it runs code unless trusted (``_trust``).
 
 Layout of ``root`` (the run's ``checkpoints/`` folder)::
 
@@ -22,28 +21,18 @@ from typing import Any, Callable, Dict, List, Optional, TypeVar
 import torch
 
 from megatron_recipes import files
+from megatron_recipes.checkpoint import _adapters
+from megatron_recipes.checkpoint import _files as store
+from megatron_recipes.checkpoint import _fsdp as fsdp_ckpt
+from megatron_recipes.checkpoint import _identity as identity
+from megatron_recipes.checkpoint import _mcore as io
+from megatron_recipes.checkpoint._trust import find_refusal, restricted_loading
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.training import checkpoint_fsdp as fsdp_ckpt
-from megatron_recipes.training import checkpoint_identity as identity
-from megatron_recipes.training import checkpoint_io as io
-from megatron_recipes.training import checkpoint_store as store
-from megatron_recipes.training.checkpoint_trust import find_refusal, restricted_loading
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"
 T = TypeVar("T")
-
-
-def checkpoints_root(cfg: RunConfig) -> Path:
-    """Where a run's checkpoints live: ``run.dir/checkpoints``."""
-    return Path(cfg.run.dir).expanduser() / CHECKPOINTS
-
-
-def find_latest(root: Path) -> Optional[Path]:
-    """The newest complete checkpoint under ``root`` (None if there is none); never a partial folder."""
-    return store.find_latest(Path(root).expanduser())
 
 
 # --- collective helpers: rank 0 touches shared files, every rank sees the same outcome ---
@@ -58,8 +47,10 @@ def _require_dist() -> None:
         )
 
 
-def _on_rank0(what: str, fn: Callable[[], T]) -> Optional[T]:
-    """Run ``fn`` on rank 0 and share its result; if it fails, every rank raises (none waits forever)."""
+def on_rank0(what: str, fn: Callable[[], T]) -> Optional[T]:
+    """Run ``fn`` on rank 0 and share its result; if it fails, every rank raises (none waits forever).
+
+    Public for the loop's other rank-0 decisions (the run.dir lock)."""
     outcome: List[Any] = [None, None]  # [result, (message, fix) of a failure]
     if torch.distributed.get_rank() == 0:
         try:
@@ -73,9 +64,6 @@ def _on_rank0(what: str, fn: Callable[[], T]) -> Optional[T]:
     if outcome[1] is not None:
         raise RecipeError(outcome[1][0], fix=outcome[1][1])
     return outcome[0]
-
-
-on_rank0 = _on_rank0  # public for the loop's other rank-0 decisions (the run.dir lock)
 
 
 def _is_distributed_optimizer(optimizer) -> bool:
@@ -167,7 +155,7 @@ def _finish(root: Path, step: int, meta: Dict[str, Any], cfg: RunConfig, keep_la
     return final
 
 
-def save_checkpoint(
+def save(
     root: Path,
     step: int,
     model_chunks: List[torch.nn.Module],
@@ -191,7 +179,7 @@ def save_checkpoint(
     io.check_plain(dict(state))
     fmt = _optimizer_format(cfg, optimizer)
     # Every rank waits for rank 0's outcome (a broadcast), so no rank writes before the folder exists.
-    _on_rank0("preparing the checkpoint folder", lambda: store.prepare_staging(root, step))
+    on_rank0("preparing the checkpoint folder", lambda: store.prepare_staging(root, step))
 
     fsdp = fsdp_ckpt.is_fsdp(model_chunks)  # [FSDP hook] Megatron-FSDP state: checkpoint_fsdp, fsdp_dtensor
     if fsdp:
@@ -205,20 +193,19 @@ def save_checkpoint(
             sharded["scheduler"] = scheduler.state_dict()
         sharded[io.RNG_KEY] = io.rng_object(io.capture_rng())
         sharded["state"] = dict(state)
-        content = {k: v for k, v in metadata.items() if isinstance(v, (str, int, float, bool))}
     try:
         if fsdp:  # [FSDP hook]
             fsdp_ckpt.save(model_chunks, optimizer, scheduler, state, store.staging_dir(root, step))
         else:
-            io.save(sharded, store.staging_dir(root, step), content_metadata=content)
+            io.save(sharded, store.staging_dir(root, step), content_metadata=io.content_metadata(metadata))
     except BaseException as exc:
         if not io.disk_full(exc):
             raise
-        _on_rank0("removing the partial checkpoint", lambda: store.clean_leftovers(root))
-        latest = store.find_latest(root)
+        on_rank0("removing the partial checkpoint", lambda: store.clean_leftovers(root))
+        last = store.latest(root)
         raise RecipeError(
             f"disk full at {store.staging_dir(root, step)}, the last complete checkpoint is "
-            f"{latest.name if latest is not None else 'none (no checkpoint was completed yet)'}",
+            f"{last.name if last is not None else 'none (no checkpoint was completed yet)'}",
             fix="free space there (or lower checkpoint.keep_last) and start the run again: it resumes from that "
             "checkpoint; the partial folder has been removed",
         ) from None
@@ -226,14 +213,24 @@ def save_checkpoint(
     meta = _meta(step, cfg, len(model_chunks), optimizer, scheduler, fmt)
     if fsdp:  # [FSDP hook]
         meta["backend"] = fsdp_ckpt.BACKEND
-    _on_rank0("finishing the checkpoint", lambda: _finish(root, step, meta, cfg, keep_last))
+    on_rank0("finishing the checkpoint", lambda: _finish(root, step, meta, cfg, keep_last))
     return store.iter_dir(root, step)
+
+
+def weights_state(model_chunks: List[torch.nn.Module], state: Dict[str, Any]) -> Dict[str, Any]:
+    """The sharded state dict ``save`` writes for weights only, without the per-rank RNG streams: what the HF
+    importer streams tensor by tensor into ``prepare_staging(root, step)`` before ``finish_weights_only``."""
+    metadata = io.sharded_metadata(None)
+    sharded = io.model_state(model_chunks, metadata)
+    sharded["state"] = dict(state)
+    sharded["content_metadata"] = io.content_metadata(metadata)  # where megatron-core's save puts it
+    return sharded
 
 
 def finish_weights_only(root: Path, step: int, cfg: RunConfig) -> Path:
     """Complete a weights-only checkpoint whose torch_dist files another writer put in
-    ``checkpoint_store.staging_dir(root, step)`` (the HF importer streams them without a process group):
-    config.yaml, meta.json, rename, tracker, exactly as ``save_checkpoint`` finishes. One process."""
+    ``prepare_staging(root, step)`` (the HF importer streams them without a process group):
+    config.yaml, meta.json, rename, tracker, exactly as ``save`` finishes. One process."""
     meta = _meta(step, cfg, 1, None, None, None)
     meta["contents"]["rng"] = False
     return _finish(Path(root), step, meta, cfg, keep_last=0)
@@ -244,7 +241,7 @@ def finish_weights_only(root: Path, step: int, cfg: RunConfig) -> Path:
 
 def _resolve_everywhere(path: Path) -> Path:
     """Rank 0 resolves (folder or checkpoints root -> complete folder) so all ranks load the same one."""
-    return Path(_on_rank0("finding the checkpoint", lambda: str(store.resolve_dir(Path(path)))))
+    return Path(on_rank0("finding the checkpoint", lambda: str(store.resolve_dir(Path(path)))))
 
 
 def _check_before_tensors(sharded: Dict[str, Any], ckpt: Path) -> None:
@@ -281,14 +278,12 @@ def _trust(cfg: Optional[RunConfig]) -> bool:
 
 
 def _load_models(model_chunks: List[torch.nn.Module], loaded: Dict[str, Any]) -> None:
-    from megatron_recipes.peft.state import load_state  # strict; adapter-only for models with adapters
-
     models = io.unwrap(model_chunks)
     for key, model in zip(io.chunk_keys(len(models)), models):
-        load_state(model, loaded[key])
+        _adapters.load_model_state(model, loaded[key])  # strict; adapter-only for models with adapters
 
 
-def load_checkpoint(
+def load(
     path: Path,
     model_chunks: List[torch.nn.Module],
     optimizer=None,
@@ -364,7 +359,7 @@ def load_checkpoint(
 def load_weights(path: Path, model_chunks: List[torch.nn.Module], cfg: RunConfig) -> None:
     """Model weights only (fine-tuning from ``checkpoint.pretrained``, conversion round trips).
 
-    Same resolution and fingerprint check as ``load_checkpoint``; a path that does not exist is an error,
+    Same resolution and fingerprint check as ``load``; a path that does not exist is an error,
     never a silent start from random weights.
     """
     _require_dist()
@@ -379,26 +374,3 @@ def load_weights(path: Path, model_chunks: List[torch.nn.Module], cfg: RunConfig
         _check_before_tensors(sharded, ckpt)
         loaded = _read(sharded, ckpt)
     _load_models(model_chunks, loaded)
-
-
-def resolve_load(cfg: RunConfig) -> Optional[Path]:
-    """What ``checkpoint.load`` asks to resume from: ``auto`` (latest complete under run.dir/checkpoints, or
-    None), ``none``, or an explicit path that must hold a complete checkpoint. Same answer on every rank."""
-    value = str(cfg.checkpoint.load).strip()
-    if value.lower() == "none":
-        return None
-
-    def decide() -> Optional[str]:
-        if value.lower() == "auto":
-            latest = store.find_latest(checkpoints_root(cfg))
-            return str(latest) if latest is not None else None
-        try:
-            return str(store.resolve_dir(Path(value)))
-        except RecipeError as exc:
-            raise RecipeError(f"checkpoint.load={value}: {exc.message}", fix=exc.fix) from None
-
-    if torch.distributed.is_initialized():
-        found = _on_rank0("resolving checkpoint.load", decide)
-    else:
-        found = decide()
-    return Path(found) if found is not None else None

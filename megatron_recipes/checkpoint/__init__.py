@@ -1,0 +1,108 @@
+"""Checkpoints: the one owner of what a checkpoint holds, where it lives, and what a run starts from.
+
+``training/``, ``convert/``, ``peft/``, ``check/`` and ``report/`` use only the names below; the modules
+behind them are private (tests/test_checkpoint_boundary.py enforces it):
+
+- ``_files``      the on-disk layout: iteration folders, completion marker, tracker, retention, meta.json
+- ``_identity``   what a checkpoint is *of*: model fingerprint and the layout it was saved with
+- ``_mcore``      megatron-core distributed checkpointing (torch_dist), RNG streams, optimizer state
+- ``_trust``      loading never runs code from a checkpoint unless the user trusts it
+- ``_adapters``   checkpoints of models with adapters hold the trainable tensors only
+- ``_fsdp``       Megatron-FSDP runs' checkpoints (megatron-core's fsdp_dtensor format), behind save/load
+- ``_save_load``  one checkpoint saved or loaded collectively, in any layout
+- ``_start``      what a training run starts from (resume, pretrained/base/seed weights)
+
+The folder-level names import no torch (``megatron-recipes report`` reads checkpoint folders); the rest
+load on first use.
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from megatron_recipes.checkpoint._files import (
+    CHECKPOINTS,
+    TRACKER,
+    SavedRun,
+    checkpoints_root,
+    clean_leftovers,
+    is_complete,
+    iter_dir,
+    latest,
+    prepare_staging,
+    read_meta,
+    read_run,
+    step_of,
+)
+from megatron_recipes.checkpoint._files import resolve_dir as resolve
+from megatron_recipes.checkpoint._identity import check_same_model
+
+if TYPE_CHECKING:
+    from megatron_recipes.checkpoint._adapters import AdapterModule
+    from megatron_recipes.checkpoint._mcore import root_cause
+    from megatron_recipes.checkpoint._save_load import (
+        finish_weights_only,
+        load,
+        load_weights,
+        on_rank0,
+        save,
+        weights_state,
+    )
+    from megatron_recipes.checkpoint._start import Start, start_of
+    from megatron_recipes.checkpoint._trust import TRUST_ENV, UntrustedCheckpoint, restricted_loading
+
+_NEEDS_TORCH = {
+    "AdapterModule": "_adapters",
+    "root_cause": "_mcore",
+    "finish_weights_only": "_save_load",
+    "load": "_save_load",
+    "load_weights": "_save_load",
+    "on_rank0": "_save_load",
+    "save": "_save_load",
+    "weights_state": "_save_load",
+    "Start": "_start",
+    "start_of": "_start",
+    "TRUST_ENV": "_trust",
+    "UntrustedCheckpoint": "_trust",
+    "restricted_loading": "_trust",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The names that need torch, imported when first used (PEP 562)."""
+    if name not in _NEEDS_TORCH:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    value = getattr(importlib.import_module(f"{__name__}.{_NEEDS_TORCH[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "AdapterModule",
+    "CHECKPOINTS",
+    "SavedRun",
+    "Start",
+    "TRACKER",
+    "TRUST_ENV",
+    "UntrustedCheckpoint",
+    "check_same_model",
+    "checkpoints_root",
+    "clean_leftovers",
+    "finish_weights_only",
+    "is_complete",
+    "iter_dir",
+    "latest",
+    "load",
+    "load_weights",
+    "on_rank0",
+    "prepare_staging",
+    "read_meta",
+    "read_run",
+    "resolve",
+    "restricted_loading",
+    "root_cause",
+    "save",
+    "start_of",
+    "step_of",
+    "weights_state",
+]
