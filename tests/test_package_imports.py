@@ -24,8 +24,6 @@ SCANNED_OUTSIDE = ("benchmarks", "conversion", "launch")
 # (importing package, imported package): the edge that closes a cycle, with the work that removes it.
 KNOWN_UPWARD = {
     ("config", "plan"): "rules_layout/rules_moe/rules_memory import plan estimates (issue 19 item 2)",
-    ("config", "slurm"): "rules_launch imports slurm's launch checks (issue 19 item 2: rules above what they use)",
-    ("report", "training"): "report/collect.py reads training.sinks and training.preemption's marker",
 }
 
 

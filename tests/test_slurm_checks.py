@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_recipes.config.errors import RecipeError, ValidationError
-from megatron_recipes.slurm import checks, container
+from megatron_recipes.config import container_flags as container, slurm_syntax as checks
 from megatron_recipes.slurm.cli import main as slurm_main
 from megatron_recipes.slurm.launch_plan import build_plan
 from launch_support import cpu_overrides, hydra_list, hydra_str

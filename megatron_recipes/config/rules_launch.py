@@ -11,8 +11,8 @@ from typing import List, Optional
 
 from megatron_recipes.config.rules_base import Host, choices, rule
 from megatron_recipes.config.schema import LAUNCHERS, RunConfig
-from megatron_recipes.slurm import container
-from megatron_recipes.slurm.checks import ENV_NAME, OWNED_OPTIONS, option_name, signal_name, time_limit_seconds
+from megatron_recipes.config import container_flags as container
+from megatron_recipes.config.slurm_syntax import ENV_NAME, OWNED_OPTIONS, option_name, signal_name, time_limit_seconds
 
 
 def _limit(cfg: RunConfig) -> Optional[int]:

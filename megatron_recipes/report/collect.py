@@ -10,8 +10,7 @@ from typing import Any, Dict, List, Optional
 from megatron_recipes import checkpoint
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.training import sinks
-from megatron_recipes.training.preemption import read_marker
+from megatron_recipes.run_files import LOG_NAME, read_marker
 
 
 @dataclass
@@ -82,10 +81,10 @@ def collect(run_dir: Path) -> RunData:
     from megatron_recipes.config.compose import from_yaml
 
     run_dir = Path(run_dir).expanduser().resolve()
-    config_path, log_path = run_dir / "config.yaml", run_dir / sinks.LOG_NAME
+    config_path, log_path = run_dir / "config.yaml", run_dir / LOG_NAME
     if not config_path.is_file() and not log_path.is_file():
         raise RecipeError(
-            f"'{run_dir}' is not a run directory: it has neither config.yaml nor {sinks.LOG_NAME}",
+            f"'{run_dir}' is not a run directory: it has neither config.yaml nor {LOG_NAME}",
             fix="pass the run.dir of a training run (e.g. runs/tiny_llama_cpu)",
         )
     config_text = config_path.read_text(encoding="utf-8") if config_path.is_file() else ""

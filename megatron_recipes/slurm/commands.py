@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.slurm import container
+from megatron_recipes.config import container_flags as container
 
 TRAIN_MODULE = "megatron_recipes.train"
 PROBE_MODULE = "megatron_recipes.slurm.probe"

@@ -22,10 +22,10 @@ from typing import Dict, Optional, Sequence
 
 from megatron_recipes import files
 from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.run_files import MARKER_NAME, read_marker  # noqa: F401 (read_marker: re-exported)
 
 FLAG_FILE_ENV = "MEGATRON_RECIPES_PREEMPT_FILE"
 FLAG_NAME = "PREEMPT"
-MARKER_NAME = "preempted.json"
 
 # Reason codes, ordered so that all_reduce(MAX) keeps the most specific one any rank saw.
 _NONE, _FILE, _SIGNAL = 0, 1, 2
@@ -164,11 +164,3 @@ class PreemptionWatcher:
         if _rank() == 0:
             self.marker_file.unlink(missing_ok=True)
 
-
-def read_marker(run_dir: Path | str) -> Optional[dict]:
-    """The ``preempted.json`` of a run, or None when the last run was not preempted."""
-    path = Path(run_dir) / MARKER_NAME
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None

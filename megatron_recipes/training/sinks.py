@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from megatron_recipes import files
+from megatron_recipes.run_files import LOG_NAME, PLOT_NAME
 
 if TYPE_CHECKING:
     from megatron_recipes.config.schema import RunConfig
 
-LOG_NAME = "log.jsonl"
-PLOT_NAME = "loss.png"
 
 
 def _clean(value: Any) -> Any:
