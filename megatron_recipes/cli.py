@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from megatron_recipes.cli_args import subcommand
 from megatron_recipes.config.errors import RecipeError
 
 # subcommand -> "module:function"; each function takes argv (after the subcommand) and returns an exit code
@@ -31,13 +32,14 @@ USAGE = "usage: megatron-recipes <subcommand> <recipe> [key=value ...] [--flags]
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
-        return 0
-    name, rest = argv[0], argv[1:]
-    if name not in SUBCOMMANDS:
-        print(f"error: unknown subcommand '{name}'\n  fix: use one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+    try:
+        picked = subcommand(argv, list(SUBCOMMANDS), USAGE, "subcommand")
+    except RecipeError as exc:
+        print(f"error: {exc.render()}", file=sys.stderr)
         return 2
+    if picked is None:
+        return 0
+    name, rest = picked
     module_name, func_name = SUBCOMMANDS[name][0].split(":")
     if name in USE_MEGATRON_CORE:  # others (data preprocess) must not even import torch
         from megatron_recipes.runtime import patches

@@ -13,7 +13,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple, Type, TypeVar, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -35,6 +35,17 @@ class Args:
     @property
     def recipe(self) -> str:
         return self.positional[0]
+
+
+def subcommand(argv: Sequence[str], names: Sequence[str], usage: str, what: str) -> Optional[Tuple[str, List[str]]]:
+    """``(name, rest)`` of a command line that starts with one of ``names``; None after printing ``usage``
+    for help (or no argument). An unknown name is a ``RecipeError`` listing the known ones (exit 2)."""
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage)
+        return None
+    if argv[0] not in names:
+        raise RecipeError(f"unknown {what} '{argv[0]}'", fix=f"use one of {', '.join(names)}")
+    return argv[0], list(argv[1:])
 
 
 def positive_int(text: str) -> int:
@@ -156,7 +167,8 @@ def options(overrides: Sequence[str], prog: str, cls: Type[T]) -> T:
             OmegaConf.update(conf, key, typed, merge=False)
         except OmegaConfBaseException:
             raise RecipeError(f"{prog}: {key}={value} is not {kind}", fix=f"e.g. {key}={example}") from None
-    for key in OmegaConf.missing_keys(conf):
+    missing = OmegaConf.missing_keys(conf)  # a set: report in the dataclass's order, the same on every run
+    for key in (k for k in known if k in missing):
         raise RecipeError(f"{prog}: missing required option '{key}='", fix=f"add {key}=<value>")
     for key, (f, _) in known.items():
         minimum = f.metadata.get("min")
@@ -166,4 +178,4 @@ def options(overrides: Sequence[str], prog: str, cls: Type[T]) -> T:
     return OmegaConf.to_object(conf)  # type: ignore[return-value]
 
 
-__all__ = ["Args", "MISSING", "options", "positive_int", "split_args"]
+__all__ = ["Args", "MISSING", "options", "positive_int", "split_args", "subcommand"]

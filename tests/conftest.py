@@ -22,6 +22,12 @@ def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data-cache")
 
 
+@pytest.fixture(scope="session")
+def cache(data_cache) -> Path:
+    """The name the trainer tests use: one data cache per session (inputs key its contents)."""
+    return data_cache
+
+
 class SharedRuns:
     """A memo of deterministic results, keyed by everything that determines them."""
 

@@ -43,28 +43,13 @@ COMMON = [
     "parallel=none",
     "precision=bf16",
 ]
-ADAM_AS_SGD = [
-    "optimizer=adam",
-    "optimizer.lr=1000.0",
-    "optimizer.min_lr=1000.0",
-    "optimizer.adam_beta1=0.0",
-    "optimizer.adam_eps=10000.0",
-    "optimizer.weight_decay=0.0",
-    "optimizer.clip_grad=0.0",
-    "optimizer.lr_warmup_iters=0",
-    "optimizer.lr_decay_style=constant",
-    "optimizer.use_distributed_optimizer=true",
-]
+ADAM_AS_SGD = ts.ADAM_AS_SGD
 LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
     "pp2": (2, ["parallel.pp=2"]),
     "dp2": (2, []),
 }
 
-
-@pytest.fixture(scope="module")
-def cache(data_cache) -> Path:
-    return data_cache  # one data cache per session (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

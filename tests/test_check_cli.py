@@ -30,10 +30,6 @@ def check(tmp_path: Path, recipe: str, *overrides: str, env=None, timeout: float
     return proc.returncode, proc.stdout + proc.stderr
 
 
-@pytest.fixture(scope="module")
-def cache(data_cache) -> Path:
-    return data_cache  # one data cache per session (tests/conftest.py)
-
 
 def test_tiny_lora_tp2_is_proven(tmp_path, cache):
     code, out = check(tmp_path, "tiny_llama_lora", f"data.cache_dir={cache}", *SMALL, "model.vocab_size=640")

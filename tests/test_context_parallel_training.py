@@ -34,10 +34,6 @@ HALF = STEPS // 2
 SAVE = ["checkpoint.save=true", "checkpoint.load=auto", f"checkpoint.save_interval={HALF}"]
 
 
-@pytest.fixture(scope="module")
-def cache(data_cache) -> Path:
-    return data_cache
-
 
 @pytest.fixture(scope="module")
 def sgd(shared_runs, cache) -> Experiment:

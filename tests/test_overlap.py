@@ -32,10 +32,6 @@ COMMON = [
 LAYOUTS = {"dp2": (2, []), "pp2_vpp2_dp2": (4, ["parallel.pp=2", "parallel.vpp=2"])}
 
 
-@pytest.fixture(scope="module")
-def cache(data_cache) -> Path:
-    return data_cache  # one data cache per session (tests/conftest.py)
-
 
 def _run(base: Path, cache: Path, name: str, nproc: int, extra, overlap: bool) -> ts.Run:
     flags = [f"parallel.overlap_grad_reduce={str(overlap).lower()}", f"parallel.overlap_param_gather={str(overlap).lower()}"]

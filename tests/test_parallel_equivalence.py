@@ -54,18 +54,7 @@ SGD = [
     "optimizer.lr_decay_style=constant",
     "optimizer.use_distributed_optimizer=false",
 ]
-ADAM_AS_SGD = [
-    "optimizer=adam",
-    "optimizer.lr=1000.0",
-    "optimizer.min_lr=1000.0",
-    "optimizer.adam_beta1=0.0",
-    "optimizer.adam_eps=10000.0",
-    "optimizer.weight_decay=0.0",
-    "optimizer.clip_grad=0.0",
-    "optimizer.lr_warmup_iters=0",
-    "optimizer.lr_decay_style=constant",
-    "optimizer.use_distributed_optimizer=true",
-]
+ADAM_AS_SGD = ts.ADAM_AS_SGD
 DEFAULT_ADAM = ["optimizer=adam", "optimizer.lr=3.0e-3", "optimizer.lr_warmup_iters=1"]
 
 DENSE_LAYOUTS = {
@@ -127,10 +116,6 @@ def experiment(shared_runs, cache: Path, name: str, overrides: Sequence[str], re
     return shared_runs.get(("experiment", recipe, tuple(full), str(cache)),
                            lambda: Experiment(shared_runs.folder(name), cache, name, overrides, recipe, init=start))
 
-
-@pytest.fixture(scope="module")
-def cache(data_cache) -> Path:
-    return data_cache
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,6 @@ RUN = [*ts.FAST[:6], "parallel.tp=1", "train.train_iters=12", "optimizer.lr_warm
        "logging.eval_interval=4", "logging.eval_iters=1", "checkpoint.save_interval=6", "logging.plot=true"]
 
 
-@pytest.fixture(scope="module")
-def cache(data_cache) -> Path:
-    return data_cache  # one data cache per session (tests/conftest.py)
-
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, cache):

@@ -15,10 +15,6 @@ import train_support as ts
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def cache(data_cache) -> Path:
-    return data_cache  # one data cache per session (tests/conftest.py)
-
 
 def test_console_script_trains_and_writes_every_output(tmp_path, cache):
     """The main job's command, shortened: TP=2 over 2 self-spawned CPU ranks."""

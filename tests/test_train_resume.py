@@ -32,10 +32,6 @@ BASE = [
 KILLER = Path(__file__).parent / "helpers" / "kill_during_save.py"
 
 
-@pytest.fixture(scope="module")
-def cache(data_cache) -> Path:
-    return data_cache  # one data cache per session (tests/conftest.py)
-
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, cache) -> ts.Run:

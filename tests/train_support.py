@@ -15,6 +15,22 @@ from typing import Dict, List, Optional, Sequence
 
 from megatron_recipes.training.sinks import step_records
 
+
+# Adam that steps like plain SGD (beta1 0, eps far above sqrt(v): update = lr * grad / eps = grad / 10):
+# it needs the optimizer state a real run checkpoints, without amplifying float rounding as Adam does.
+ADAM_AS_SGD = [
+    "optimizer=adam",
+    "optimizer.lr=1000.0",
+    "optimizer.min_lr=1000.0",
+    "optimizer.adam_beta1=0.0",
+    "optimizer.adam_eps=10000.0",
+    "optimizer.weight_decay=0.0",
+    "optimizer.clip_grad=0.0",
+    "optimizer.lr_warmup_iters=0",
+    "optimizer.lr_decay_style=constant",
+    "optimizer.use_distributed_optimizer=true",
+]
+
 # A tiny corpus (seconds to build), short sequences, per-step logging, no evaluation unless asked.
 SMALL_DATA = ["data.builtin_max_files=80", "data.builtin_vocab_size=600"]
 FAST = [

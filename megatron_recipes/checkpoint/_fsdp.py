@@ -32,7 +32,7 @@ from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.checkpoint import _adapters
 from megatron_recipes.checkpoint import _identity as identity
 from megatron_recipes.checkpoint import _mcore as io
-from megatron_recipes.checkpoint._trust import find_refusal, restricted_loading
+from megatron_recipes.checkpoint._trust import restricted_loading
 
 BACKEND = "fsdp_dtensor"
 MODEL_PREFIX = "module."  # FullyShardedDataParallel.state_dict(): "module." + the GPTModel's names
@@ -101,14 +101,7 @@ def _dcp_load(state: Dict[str, Any], ckpt: Path, *, alone: bool = False) -> None
     try:
         dcp.load(state, storage_reader=_reader(ckpt), no_dist=alone)
     except (Exception, CheckpointException) as exc:
-        refusal = find_refusal(exc)  # a file that would run code: say so, not "damaged"
-        if refusal is not None:
-            raise refusal from None
-        raise RecipeError(
-            f"checkpoint '{ckpt}' could not be read ({io.root_cause(exc)})",
-            fix="the checkpoint is damaged or was copied incompletely; use another one (e.g. the previous "
-            "iteration). The model in memory may be partly loaded: start again rather than train on",
-        ) from exc
+        raise io.unreadable(ckpt, exc)
 
 
 # --- save ---

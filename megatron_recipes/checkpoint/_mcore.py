@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from megatron_recipes.checkpoint import _adapters
-from megatron_recipes.checkpoint._trust import UntrustedCheckpoint, causes
+from megatron_recipes.checkpoint._trust import UntrustedCheckpoint, causes, find_refusal
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.runtime import patches
 
@@ -318,6 +318,22 @@ def root_cause(exc: BaseException) -> str:
     chosen = inner[-1]
     lines = [ln.strip() for ln in str(chosen).splitlines() if ln.strip()]
     return f"{type(chosen).__name__}: {lines[0][:300]}" if lines else f"{type(chosen).__name__} (the file ends early or is damaged)"
+
+
+def unreadable(ckpt: Path, exc: BaseException) -> Exception:
+    """What to raise when a checkpoint fails to load: a file that would run code said as such (not
+    "damaged"), else a damaged-checkpoint error with its root cause."""
+    refusal = find_refusal(exc)
+    if refusal is not None:
+        refusal.__suppress_context__ = True  # as ``raise refusal from None``: the refusal is the whole story
+        return refusal
+    error = RecipeError(
+        f"checkpoint '{ckpt}' could not be read ({root_cause(exc)})",
+        fix="the checkpoint is damaged or was copied incompletely; use another one (e.g. the previous "
+        "iteration). The model in memory may be partly loaded: start again rather than train on",
+    )
+    error.__cause__ = exc
+    return error
 
 
 def disk_full(exc: BaseException) -> bool:

@@ -26,7 +26,7 @@ from megatron_recipes.checkpoint import _files as store
 from megatron_recipes.checkpoint import _fsdp as fsdp_ckpt
 from megatron_recipes.checkpoint import _identity as identity
 from megatron_recipes.checkpoint import _mcore as io
-from megatron_recipes.checkpoint._trust import find_refusal, restricted_loading
+from megatron_recipes.checkpoint._trust import restricted_loading
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
 
@@ -262,14 +262,7 @@ def _read(sharded: Dict[str, Any], ckpt: Path) -> Dict[str, Any]:
     except RecipeError:
         raise
     except (Exception, CheckpointException) as exc:
-        refusal = find_refusal(exc)  # a file that would run code: say so, not "damaged"
-        if refusal is not None:
-            raise refusal from None
-        raise RecipeError(
-            f"checkpoint '{ckpt}' could not be read ({io.root_cause(exc)})",
-            fix="the checkpoint is damaged or was copied incompletely; use another one (e.g. the previous "
-            "iteration). The model in memory may be partly loaded: start again rather than train on",
-        ) from exc
+        raise io.unreadable(ckpt, exc)
 
 
 def _trust(cfg: Optional[RunConfig]) -> bool:

@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from megatron_recipes.cli_args import MISSING, options, split_args
+from megatron_recipes.cli_args import MISSING, options, split_args, subcommand
 from megatron_recipes.config.schema import DataConfig
 
 USAGE = """usage:
@@ -100,13 +100,10 @@ COMMANDS = {"preprocess": _preprocess, "build-index": _build_index, "builtin": _
 
 
 def main(argv: List[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
+    picked = subcommand(argv, list(COMMANDS), USAGE, "data command")
+    if picked is None:
         return 0
-    name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        print(f"error: unknown data command '{name}'\n  fix: use one of {', '.join(COMMANDS)}\n{USAGE}", file=sys.stderr)
-        return 2
+    name, rest = picked
     if rest and rest[0] in ("-h", "--help"):
         print(USAGE)
         return 0

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -81,6 +81,19 @@ def _group_size(group) -> int:
     return group.size() if group is not None else 1
 
 
+def _layout(module, column: bool, out_local: int, in_local: int, tp: int, **engine_specific: Any) -> LinearLayout:
+    """What every engine's linear states the same way: split kind, local shape, TP group, sequence parallelism."""
+    return LinearLayout(
+        kind="column" if column else "row",
+        in_local=in_local,
+        out_local=out_local,
+        tp_size=tp,
+        tp_group=module.tp_group,
+        sequence_parallel=bool(module.sequence_parallel),
+        **engine_specific,
+    )
+
+
 def layout_of(module: torch.nn.Module) -> LinearLayout:
     """The layout of a supported base linear (callers check ``supported_linear`` first)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -91,16 +104,13 @@ def layout_of(module: torch.nn.Module) -> LinearLayout:
         return module.layout
     out_local, in_local = module.weight.shape
     if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-        column = isinstance(module, ColumnParallelLinear)
-        tp = _group_size(module.tp_group)
-        return LinearLayout(
-            kind="column" if column else "row",
-            in_local=in_local,
-            out_local=out_local,
-            tp_size=tp,
-            tp_group=module.tp_group,
+        return _layout(
+            module,
+            isinstance(module, ColumnParallelLinear),
+            out_local,
+            in_local,
+            _group_size(module.tp_group),
             communicates=not module.explicit_expert_comm,
-            sequence_parallel=bool(module.sequence_parallel),
             is_expert=bool(module.is_expert),
             skip_bias_add=bool(module.skip_bias_add),
             engine="local",
@@ -123,16 +133,13 @@ def _te_layout(module, out_local: int, in_local: int) -> LinearLayout:
             "cannot take an adapter under the Transformer Engine spec",
             fix="leave expert_fc1/expert_fc2 out of peft.target_modules on GPU runs",
         )
-    communicates = True
-    tp = module.tp_size
-    return LinearLayout(
-        kind="column" if column else "row",
-        in_local=in_local,
-        out_local=out_local,
-        tp_size=tp,
-        tp_group=module.tp_group,
-        communicates=communicates,
-        sequence_parallel=bool(module.sequence_parallel),
+    return _layout(
+        module,
+        column,
+        out_local,
+        in_local,
+        module.tp_size,
+        communicates=True,
         is_expert=bool(getattr(module, "is_expert", False)),
         skip_bias_add=bool(getattr(module, "te_return_bias", False)),
         engine="te",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from megatron_recipes.cli_args import split_args
+from megatron_recipes.cli_args import split_args, subcommand
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.slurm.dryrun import describe
 from megatron_recipes.slurm.launch_plan import build_plan
@@ -27,12 +27,10 @@ FLAGS = {"render": {**_COMMON, "out": True}, "submit": {**_COMMON, "wait": False
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
+    picked = subcommand(argv, list(FLAGS), USAGE, "slurm action")
+    if picked is None:
         return 0
-    action, rest = argv[0], argv[1:]
-    if action not in FLAGS:
-        raise RecipeError(f"unknown slurm action '{action}'", fix="use `slurm render` or `slurm submit`")
+    action, rest = picked
     args = split_args(rest, f"megatron-recipes slurm {action}", flags=FLAGS[action])
     plan = build_plan(args.recipe, args.overrides, probe=bool(args.flags.get("probe")),
                       check_paths=not args.flags.get("skip-path-checks"))
