@@ -12,7 +12,8 @@ import pytest
 import torch.multiprocessing as mp
 
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.training.preemption import FLAG_FILE_ENV, PreemptionWatcher, read_marker
+from megatron_recipes.run_files import read_marker
+from megatron_recipes.training.preemption import FLAG_FILE_ENV, PreemptionWatcher
 
 
 @pytest.fixture()

@@ -11,7 +11,6 @@ import dataclasses
 import math
 from typing import Dict, Optional, Sequence
 
-from megatron_recipes.config import derived
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import (
     ClusterConfig,

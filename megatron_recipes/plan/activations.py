@@ -116,7 +116,7 @@ def norm_bytes(cfg: RunConfig, x: Dims) -> float:
 
 def attention_bytes(cfg: RunConfig, x: Dims, recompute: str) -> float:
     """One self-attention block (its pre-norm included), one microbatch."""
-    m, a, g, d, hs = cfg.model, x.heads, x.groups, x.head_dim, x.hidden / x.sp
+    m, a, g, d = cfg.model, x.heads, x.groups, x.head_dim
     T = x.tokens
     total = T * norm_bytes(cfg, x)  # pre-norm + QKV linear input (saved sharded under SP)
     if m.multi_latent_attention:

@@ -12,7 +12,6 @@ import sys
 from typing import List, Optional
 
 from megatron_recipes.cli_args import split_args, subcommand
-from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.slurm.dryrun import describe
 from megatron_recipes.slurm.launch_plan import build_plan
 from megatron_recipes.slurm.script import render_script

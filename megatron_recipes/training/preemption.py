@@ -22,7 +22,7 @@ from typing import Dict, Optional, Sequence
 
 from megatron_recipes import files
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.run_files import MARKER_NAME, read_marker  # noqa: F401 (read_marker: re-exported)
+from megatron_recipes.run_files import MARKER_NAME
 
 FLAG_FILE_ENV = "MEGATRON_RECIPES_PREEMPT_FILE"
 FLAG_NAME = "PREEMPT"
