@@ -1,6 +1,7 @@
 """`megatron-recipes check` end to end, as a user runs it: real ranks on gloo, real checkpoints.
 
-Cheap cases only (CI): tiny_llama_lora (TP2 with adapters, built-in chat data), a layout broken on purpose
+Cheap cases only (CI): tiny_llama_lora (TP2 with adapters, built-in chat data), tiny_llama_sft_fsdp (Megatron-FSDP
+zero3 at DP2, resharded by weights), a layout broken on purpose
 (exit 1 with the first diverging step), a CP layout (proven with all_gather, the CPU lane's CP attention), a
 CP layout the CPU lane cannot run (exit 2 with the reason, nothing trained), and one
 shrunk big recipe (Qwen3-30B-A3B: PP2 x EP4 x DP4 with the distributed optimizer and overlapped reduction).
@@ -37,6 +38,16 @@ def test_tiny_lora_tp2_is_proven(tmp_path, cache):
     assert "verdict: PROVEN" in out and "TP2 PP1 CP1 DP1" in out and "resumed on one rank" in out
     assert "adapter dropout 0.05 -> 0" in out  # the recipe's dropout is off in both runs, and said
     assert "  layout: done, 4 steps" in out  # each phase's progress (a plain line off a terminal)
+
+
+def test_fsdp_sft_is_proven_against_the_plain_path_and_reshards_by_weights(tmp_path, cache):
+    # Before: the one-rank reference ran Megatron-FSDP too (whose one-rank gradients were wrong), and the
+    # full resume of an FSDP checkpoint on one rank was refused (exit 2).
+    code, out = check(tmp_path, "tiny_llama_sft_fsdp", f"data.cache_dir={cache}", *SMALL, "model.vocab_size=640")
+    assert code == 0, out
+    assert "verdict: PROVEN" in out and "TP1 PP1 CP1 DP2" in out
+    assert "runs without Megatron-FSDP" in out and "step-4 weights vs the one-rank run's" in out
+    assert "  reweights exit 0" in out
 
 
 def test_wrong_pipeline_split_trains_wrong_at_step_1(tmp_path, cache):

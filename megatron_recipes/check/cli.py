@@ -3,7 +3,9 @@
 Shrinks the model (check/shrink.py), writes one step-0 seed checkpoint, trains a few steps at the recipe's
 layout and on one rank from that seed, and compares the per-step losses and gradient norms; then resumes
 the layout's checkpoint on one rank (resharding, optimizer state included) and compares the steps after
-it. Exit 0: the layout is proven; 1: it trains differently from one rank (or a run failed); 2: recipe error.
+it. Megatron-FSDP checkpoints resume only at the layout that saved them (megatron-core 0.16.1), so there the
+layout's weights are reloaded on one rank instead, next to the one-rank run's own weights of the same step,
+and both continue from a fresh optimizer on the same batches. Exit 0: the layout is proven; 1: it trains differently from one rank (or a run failed); 2: recipe error.
 """
 
 from __future__ import annotations
@@ -126,8 +128,24 @@ def plan_runs(recipe: str, user: Sequence[str], max_ranks: int, steps: int, stop
     seed = out / "seed" / "checkpoints"
     planned["reference"].append(f"checkpoint.pretrained={seed}")
     planned["layout"].append(f"checkpoint.pretrained={seed}")
-    planned["reshard"] += [f"checkpoint.pretrained={seed}", f"checkpoint.load={out / 'layout' / 'checkpoints'}"]
+    if cfg.parallel.fsdp:
+        _weights_only_reshard(planned, reference, out, steps, stop)
+        notes.append(f"reshard by weights: Megatron-FSDP checkpoints resume only at the layout that saved them, so the "
+                     f"layout's step-{stop} weights are reloaded on one rank and compared with the one-rank run's own "
+                     f"step-{stop} weights, both continuing {steps - stop} steps from a fresh optimizer")
+    else:
+        planned["reshard"] += [f"checkpoint.pretrained={seed}", f"checkpoint.load={out / 'layout' / 'checkpoints'}"]
     return cfg, small, planned, notes, out
+
+
+def _weights_only_reshard(planned, reference: List[str], out: Path, steps: int, stop: int) -> None:
+    """The reshard pair for Megatron-FSDP: the layout's weights and the reference's, loaded alike."""
+    from megatron_recipes import checkpoint
+
+    planned["reference"] += ["checkpoint.save=true", f"checkpoint.save_interval={stop}"]
+    rest = [*reference[:-1], f"train.train_iters={steps - stop}", "checkpoint.save=false", "checkpoint.load=none"]
+    planned["reshard"] = [*rest, f"checkpoint.pretrained={out / 'layout' / 'checkpoints'}"]
+    planned["reweights"] = [*rest, f"checkpoint.pretrained={checkpoint.iter_dir(out / 'reference' / 'checkpoints', stop)}"]
 
 
 def main(argv: List[str]) -> int:
@@ -166,10 +184,12 @@ def main(argv: List[str]) -> int:
         shutil.rmtree(out)
     print(f"  runs in {out} (one log per run):", flush=True)
     results = {}
-    for name in ("seed", "reference", "layout", "reshard"):
+    for name in planned:
         if name == "reshard" and results["layout"].returncode != 0:
             break
-        total = {"seed": 0, "layout": stop}.get(name, steps)
+        total = {"seed": 0, "layout": stop, "reweights": steps - stop}.get(name, steps)
+        if name == "reshard" and "reweights" in planned:
+            total = steps - stop
         results[name] = result = runs.train(name, args.recipe, planned[name], out / name, timeout, total)
         print(f"  {name:<9} exit {result.returncode} in {result.seconds:.1f}s", flush=True)
         if result.returncode != 0:
@@ -198,6 +218,16 @@ def _pick(values: dict, steps: range) -> List[float]:
     return [values[s] for s in steps if s in values]
 
 
+def _reshard_series(results, steps: int, stop: int) -> List[compare.Series]:
+    """Steps stop+1..steps of the resharded run next to the one-rank run's (or its reloaded weights')."""
+    resh = results["reshard"]
+    if "reweights" in results:  # both runs count their steps from 1 again
+        logged, ref = range(1, steps - stop + 1), results["reweights"]
+    else:
+        logged, ref = range(stop + 1, steps + 1), results["reference"]
+    return [compare.Series(k, _pick(resh.series(k), logged), _pick(ref.series(k), logged), stop + 1) for k in ("loss", "grad_norm")]
+
+
 def _report(results, steps: int, stop: int, rtol: float, small: Shrunk, vpp: Optional[int], cp_scope: str = "") -> int:
     """Tables, then the verdict; the layout's logged steps are judged even when its run then failed."""
     ref, lay = results["reference"], results["layout"]
@@ -208,10 +238,11 @@ def _report(results, steps: int, stop: int, rtol: float, small: Shrunk, vpp: Opt
     first = compare.judge(main_series, rtol)
     verdicts = [("the layout's training", first)]
     if "reshard" in results:
-        after = range(stop + 1, steps + 1)
-        resh = results["reshard"]
-        resh_series = [compare.Series(k, _pick(resh.series(k), after), _pick(ref.series(k), after), stop + 1) for k in ("loss", "grad_norm")]
-        print(f"\nresumed on one rank from the layout's step-{stop} checkpoint (resharded) vs the one-rank run:")
+        resh_series = _reshard_series(results, steps, stop)
+        if "reweights" in results:
+            print(f"\nthe layout's step-{stop} weights vs the one-rank run's, each loaded on one rank (fresh optimizer, same batches):")
+        else:
+            print(f"\nresumed on one rank from the layout's step-{stop} checkpoint (resharded) vs the one-rank run:")
         print(compare.table(resh_series, "resumed", "1-rank"))
         verdicts.append(("the resharded resume", compare.judge(resh_series, rtol)))
     diverged = [(what, v) for what, v in verdicts if v.first_diverging_step is not None]

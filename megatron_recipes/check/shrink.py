@@ -199,6 +199,13 @@ def shrink(cfg: RunConfig, max_ranks: int = 8, max_layers_per_chunk: Optional[in
         common["peft.dropout"] = 0.0
         notes.append(f"adapter dropout {cfg.peft.dropout:g} -> 0: dropout masks are drawn per layout, so they "
                      "cannot match one rank's; the layout is proven without them")
+    if cfg.peft.method == "qlora" and cfg.peft.double_quant:
+        # Double quantisation compresses each rank's own block scales (their mean and second-level blocks),
+        # so every TP layout holds a slightly different NF4 base (2.7e-5 relative in the step-1 loss of
+        # tiny_llama_qlora at TP=2); the first-level NF4 blocks tile each rank's rows and stay identical.
+        common["peft.double_quant"] = False
+        notes.append("QLoRA double quantisation -> off: each rank compresses its own shard's block scales, so "
+                     "layouts hold slightly different NF4 bases; the layout is proven on the first-level NF4 blocks")
     if cfg.model.hidden_size > TINY_HIDDEN:
         m = cfg.model
         moe = f", expert FFN {MOE_FFN}; {m.num_moe_experts} experts, top-{m.moe_router_topk} kept" if m.num_moe_experts else ""
@@ -231,5 +238,11 @@ def shrink(cfg: RunConfig, max_ranks: int = 8, max_layers_per_chunk: Optional[in
                       "parallel.account_for_loss_in_pipeline_split": False,
                       "model.make_vocab_size_divisible_by": multiple,
                       "cluster.gpus_per_node": 1, "cluster.nvlink_domain": 1})
+    if p.fsdp:
+        # The plain one-rank path (megatron-core DDP, distributed optimizer): an independent reference for a
+        # Megatron-FSDP layout, which shards nothing over one rank anyway.
+        reference.update({"parallel.fsdp": False, "parallel.sharding": "zero1"})
+        notes.append(f"the one-rank reference runs without Megatron-FSDP (parallel.fsdp=false, sharding zero1): "
+                     f"the layout's {p.sharding} sharding is compared with megatron-core's plain data-parallel path")
     to_list = lambda kv: [f"{k}={_fmt(v)}" for k, v in kv.items()]  # noqa: E731
     return Shrunk(to_list(layout), to_list(reference), d, original, notes, reduced)
