@@ -15,9 +15,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_recipes.config.compose import compose_recipe  # noqa: E402
-from megatron_recipes.config.validate import validate  # noqa: E402
-from megatron_recipes.plan.memory import estimate_memory  # noqa: E402
-from megatron_recipes.plan.steptime import estimate_step_time  # noqa: E402
+from megatron_recipes.estimate.memory import estimate_memory  # noqa: E402
+from megatron_recipes.estimate.steptime import estimate_step_time  # noqa: E402
+from megatron_recipes.validation.validate import validate  # noqa: E402
 from tests import published_support as pub  # noqa: E402
 
 

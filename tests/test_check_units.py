@@ -9,7 +9,7 @@ from megatron_recipes.check import compare
 from megatron_recipes.check.cli import context_parallel_unproven, plan_runs
 from megatron_recipes.check.shrink import Degrees, fit_degrees
 from megatron_recipes.config.compose import compose_recipe
-from megatron_recipes.config.validate import validate
+from megatron_recipes.validation.validate import validate
 
 
 def test_judge_equal_within_tolerance():

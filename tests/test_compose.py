@@ -9,7 +9,7 @@ from megatron_recipes.config import derived
 from megatron_recipes.config.compose import compose_recipe, from_yaml, list_group_options, list_recipes, to_yaml
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.config.validate import validate
+from megatron_recipes.validation.validate import validate
 
 SHIPPED = [
     "llama3_8b_pretrain",
@@ -57,7 +57,7 @@ def test_every_recipe_in_the_tree_is_valid_once_user_inputs_are_given(recipe):
 
 def test_model_configs_match_published_sizes():
     """A few architecture numbers as published (the planner's parameter count is tested elsewhere)."""
-    from megatron_recipes.plan.params import active_params, model_params
+    from megatron_recipes.estimate.params import active_params, model_params
 
     expect = {  # total, active, in billions, within 1%
         "llama3_8b_pretrain": (8.03, 8.03),

@@ -1,4 +1,4 @@
-"""The one cost model (plan/cost.py): FLOPs per token against the model megatron-core builds and the
+"""The one cost model (estimate/cost.py): FLOPs per token against the model megatron-core builds and the
 6N + attention identity, and ``plan`` and ``train`` reporting the same MFU for the same step time."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.compose import compose_recipe
-from megatron_recipes.plan import cost
-from megatron_recipes.plan.params import model_params
-from megatron_recipes.plan.steptime import estimate_step_time
+from megatron_recipes.estimate import cost
+from megatron_recipes.estimate.params import model_params
+from megatron_recipes.estimate.steptime import estimate_step_time
 
 
 def _cfg(*overrides):

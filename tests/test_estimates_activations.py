@@ -19,7 +19,7 @@ import pytest
 from multiproc import run_ranks
 
 from megatron_recipes.config.compose import compose_recipe
-from megatron_recipes.plan import activations
+from megatron_recipes.estimate import activations
 
 pytestmark = pytest.mark.slow
 

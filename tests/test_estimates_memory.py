@@ -9,10 +9,10 @@ import pytest
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.compose import compose_recipe
-from megatron_recipes.plan import schedule
-from megatron_recipes.plan.memory import estimate_memory, model_state_bytes, stage_memory
-from megatron_recipes.plan.params import model_params, stage_params
-from megatron_recipes.plan.steptime import estimate_step_time
+from megatron_recipes.estimate import schedule
+from megatron_recipes.estimate.memory import estimate_memory, model_state_bytes, stage_memory
+from megatron_recipes.estimate.params import model_params, stage_params
+from megatron_recipes.estimate.steptime import estimate_step_time
 
 
 def _pp_rank_microbatches(cfg, rank):

@@ -17,8 +17,8 @@ import pytest
 from multiproc import run_ranks
 
 from megatron_recipes.config.compose import compose_recipe
-from megatron_recipes.plan.groups import build_group_map
-from megatron_recipes.plan.params import stage_params
+from megatron_recipes.estimate.groups import build_group_map
+from megatron_recipes.estimate.params import stage_params
 
 pytestmark = pytest.mark.slow
 

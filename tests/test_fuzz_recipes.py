@@ -21,9 +21,9 @@ from fuzz_support import hostile_text
 from launch_support import hydra_str
 from megatron_recipes.config.compose import compose_recipe, list_recipes
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.config.rules_values import walk
-from megatron_recipes.config.validate import validate
 from megatron_recipes.plan.summary import build_plan
+from megatron_recipes.validation.rules_values import walk
+from megatron_recipes.validation.validate import validate
 
 SEED, PER_RECIPE = 1312, 16
 NUMBERS = ["0", "-1", "1", "2", "3", "7", "-0.0", "1e308", "-1e308", "9223372036854775808", "nan", "inf", "-inf",

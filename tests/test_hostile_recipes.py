@@ -11,9 +11,9 @@ import pytest
 
 from megatron_recipes.config.compose import compose_recipe
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.config.rules_model import FAMILIES
-from megatron_recipes.config.validate import validate_or_raise
 from megatron_recipes.families import all_families
+from megatron_recipes.validation.rules_model import FAMILIES
+from megatron_recipes.validation.validate import validate_or_raise
 
 TINY = "tiny_llama_cpu"
 

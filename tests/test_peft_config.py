@@ -7,8 +7,8 @@ import pytest
 import peft_support as ps
 from megatron_recipes.config.compose import compose_recipe
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.config.rules_peft import PEFT_RULES
-from megatron_recipes.config.validate import validate
+from megatron_recipes.validation.rules_peft import PEFT_RULES
+from megatron_recipes.validation.validate import validate
 
 FINE_TUNING = [
     "tiny_llama_sft",

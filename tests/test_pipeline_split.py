@@ -11,7 +11,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.compose import compose_recipe
-from megatron_recipes.config.validate import validate
+from megatron_recipes.validation.validate import validate
 
 CASES = [
     # (num_layers, pp, vpp, first, last, account_embedding, account_loss)

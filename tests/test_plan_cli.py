@@ -9,8 +9,8 @@ import pytest
 
 from megatron_recipes.cli import main
 from megatron_recipes.config.compose import compose_recipe
-from megatron_recipes.config.validate import validate
-from megatron_recipes.plan.memory import estimate_memory
+from megatron_recipes.estimate.memory import estimate_memory
+from megatron_recipes.validation.validate import validate
 
 L70 = ["llama3_70b_pretrain", "cluster=h100_8gpu", "cluster.nodes=8"]
 
@@ -140,7 +140,7 @@ def test_console_script_runs(tmp_path):
 
 
 def test_rules_table(capsys):
-    from megatron_recipes.config.rules import RULES
+    from megatron_recipes.validation.rules import RULES
 
     rc, out, _ = _run(capsys, "--rules", "--json")
     assert rc == 0

@@ -1,6 +1,6 @@
 """The planner against published measurements: every DGX-H100 row of a family we ship must plan as FITS,
 pass every rule, and estimate tokens/s/GPU within +/-20% of what NVIDIA measured (the rows the constants
-in topology/rates.py were calibrated on). Other systems' rows are reported by
+in estimate/rates.py were calibrated on). Other systems' rows are reported by
 benchmarks/published_throughput.py, not asserted: they check the model, they do not tune it."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from megatron_recipes.config.compose import compose_recipe
-from megatron_recipes.config.validate import validate
-from megatron_recipes.plan.memory import estimate_memory
+from megatron_recipes.estimate.memory import estimate_memory
+from megatron_recipes.estimate.steptime import estimate_step_time
 from megatron_recipes.plan.search import search_layouts
-from megatron_recipes.plan.steptime import estimate_step_time
+from megatron_recipes.validation.validate import validate
 from tests import published_support as pub
 
 H100 = [r for r in pub.load() if r.system == "DGX-H100"]

@@ -15,9 +15,9 @@ import pytest
 
 from megatron_recipes.config.compose import compose_recipe
 from megatron_recipes.config.errors import ValidationError
-from megatron_recipes.config.rules import RULES, Host, rules_by_id, select
-from megatron_recipes.config.validate import validate, validate_or_raise
 from megatron_recipes.models.capabilities import Machine
+from megatron_recipes.validation.rules import RULES, Host, rules_by_id, select
+from megatron_recipes.validation.validate import validate, validate_or_raise
 
 TINY = "tiny_llama_cpu"  # CPU lane, TP2 over 2 ranks, fp32, built-in data
 MOE = ("model=tiny_moe", "parallel=none")  # on TINY: 4 experts top-2 over 2 ranks

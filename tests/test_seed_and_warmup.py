@@ -10,7 +10,7 @@ import pytest
 import train_support as ts
 from megatron_recipes.config import derived
 from megatron_recipes.config.compose import compose_recipe, list_recipes
-from megatron_recipes.config.validate import validate
+from megatron_recipes.validation.validate import validate
 
 
 def test_warmup_fraction_floors_over_the_decay_horizon():

@@ -7,7 +7,7 @@ every layout holds the same weights) and the same global batches, with the tiny 
 
 The same runs read the bytes megatron-core allocated on each rank (parameter/gradient buffers, optimizer
 state; ``sharding_support.allocated_state_bytes``) and compare them with the planner's estimate
-(``topology.memory.model_state_bytes``): within 5%.
+(``estimate.memory.model_state_bytes``): within 5%.
 
 Modes: Megatron-FSDP zero1/zero2/zero3 (fp32, and zero3 in bf16), hybrid sharding of the distributed
 optimizer (2 instances), and TP=2 x FSDP zero3 (4 ranks). Megatron-FSDP with 2 instances (HSDP) trains
@@ -57,8 +57,8 @@ def _assert_matches(got: List[float], ref: List[float]) -> None:
 
 
 def _assert_estimate(overrides: List[str], allocated: Dict[str, int], world: int = 2) -> None:
-    from megatron_recipes.plan.memory import model_state_bytes
-    from megatron_recipes.plan.params import stage_params
+    from megatron_recipes.estimate.memory import model_state_bytes
+    from megatron_recipes.estimate.params import stage_params
 
     cfg = sharding_cfg(world, *overrides)
     weights, grads, opt = model_state_bytes(cfg, stage_params(cfg, 0))
@@ -95,7 +95,7 @@ def test_fsdp_zero3_with_tp2_matches_single_rank_and_estimate(reference):
 def test_hsdp_is_refused_because_it_diverges_from_single_rank(reference):
     """Why rule fsdp.no_hybrid_instances exists: megatron-core runs it (the rule is skipped here) but the
     losses drift from one rank's once micro-batches accumulate. If this starts to match, lift the rule."""
-    from megatron_recipes.config.validate import validate
+    from megatron_recipes.validation.validate import validate
 
     assert "fsdp.no_hybrid_instances" in [v.rule_id for v in validate(sharding_cfg(2, *HSDP, "checkpoint.save=false",
                                                                                    "checkpoint.load=none"))]
@@ -106,8 +106,8 @@ def test_hsdp_is_refused_because_it_diverges_from_single_rank(reference):
 
 def test_zero1_estimate_would_miss_fsdp_sharding():
     """The estimate distinguishes the modes: zero3 state per rank is below zero1's (a check that can fail)."""
-    from megatron_recipes.plan.memory import model_state_bytes
-    from megatron_recipes.plan.params import stage_params
+    from megatron_recipes.estimate.memory import model_state_bytes
+    from megatron_recipes.estimate.params import stage_params
 
     z1 = sharding_cfg(2, "precision=bf16")
     z3 = sharding_cfg(2, "precision=bf16", *MODES["fsdp_zero3"])

@@ -9,9 +9,9 @@ import pytest
 
 from megatron_recipes.cli import main
 from megatron_recipes.config.compose import compose_recipe
-from megatron_recipes.config.validate import validate
-from megatron_recipes.plan.memory import estimate_memory
+from megatron_recipes.estimate.memory import estimate_memory
 from megatron_recipes.plan.search import INPUT_RULES
+from megatron_recipes.validation.validate import validate
 
 F70 = ["llama3_70b_sft_fsdp", "cluster=h100_8gpu", "cluster.nodes=2"]
 ZERO1 = ["parallel.fsdp=false", "parallel.sharding=zero1", "optimizer.cpu_offload=false"]

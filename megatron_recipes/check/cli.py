@@ -49,7 +49,7 @@ def context_parallel_unproven(cfg: RunConfig) -> Optional[str]:
     """
     if cfg.parallel.cp <= 1:
         return None
-    from megatron_recipes.config.validate import validate
+    from megatron_recipes.validation.validate import validate
     from megatron_recipes.models.capabilities import unmet_requirements
     from megatron_recipes.models.context_parallel import local_cp_limits
 
@@ -81,7 +81,7 @@ def _compose(recipe: str, overrides: Sequence[str]) -> RunConfig:
 
 
 def _validated(recipe: str, overrides: Sequence[str], what: str) -> RunConfig:
-    from megatron_recipes.config.validate import validate_or_raise
+    from megatron_recipes.validation.validate import validate_or_raise
     from megatron_recipes.models.capabilities import require_supported
 
     cfg = _compose(recipe, overrides)
@@ -99,8 +99,8 @@ def plan_runs(recipe: str, user: Sequence[str], max_ranks: int, steps: int, stop
     """(recipe cfg, Shrunk, per-run overrides, notes): everything decided before a process starts.
 
     ``out`` (default ``runs/check/<run name>``) holds the four runs: seed, reference, layout, reshard."""
-    from megatron_recipes.config.rules import select
-    from megatron_recipes.config.validate import validate_or_raise
+    from megatron_recipes.validation.rules import select
+    from megatron_recipes.validation.validate import validate_or_raise
 
     cfg = _compose(recipe, user)
     validate_or_raise(cfg, recipe, rules=select(provided=PROVIDES))  # the recipe as written, on its own cluster

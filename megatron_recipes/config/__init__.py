@@ -1,4 +1,5 @@
-"""Recipes: typed schema, Hydra composition, derived quantities and the validation rule table."""
+"""Recipes: typed schema, Hydra composition, errors and derived quantities. The bottom layer: it imports
+no other package of the library (the rule table is ``validation``, the cost model ``estimate``)."""
 
 from megatron_recipes.config.compose import compose_recipe, from_yaml, to_yaml
 from megatron_recipes.config.errors import RecipeError, ValidationError, Violation

@@ -120,7 +120,7 @@ class ParallelConfig:
     overlap_param_gather: bool = False
     # ZeRO stage of data-parallel sharding (with optimizer.use_distributed_optimizer=true):
     # zero1 optimizer state | zero2 + gradients | zero3 + parameters (FSDP's FULL_SHARD).
-    # zero2/zero3 run through Megatron-FSDP (parallel.fsdp=true); see topology/sharding.py.
+    # zero2/zero3 run through Megatron-FSDP (parallel.fsdp=true); see estimate/sharding.py.
     sharding: str = "zero1"  # zero1 | zero2 | zero3
     fsdp: bool = False  # data parallelism through megatron-core's Megatron-FSDP instead of its DDP
     # Hybrid sharding (HSDP / ZeRO++ hpZ-like): shard inside DP / instances ranks, replicate across

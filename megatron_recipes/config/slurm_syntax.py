@@ -1,6 +1,6 @@
 """Slurm's own value syntax: time limits, signal names, and the sbatch/srun options the recipe owns.
 
-Kept below the rule table: the launch rules (``config/rules_launch.py``, scope ``launch``) read settings
+Kept below the rule table: the launch rules (``validation/rules_launch.py``, scope ``launch``) read settings
 through these; the script renderer spells signals with them.
 """
 

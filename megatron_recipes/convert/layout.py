@@ -69,8 +69,8 @@ def with_parallel(cfg: RunConfig, parallel: ParallelConfig, world: Optional[int]
 
 def check_layout(cfg: RunConfig) -> None:
     """The target layout against the rule table's model-and-layout rules (``model_layout``), all reported."""
-    from megatron_recipes.config.rules import select
-    from megatron_recipes.config.validate import validate
+    from megatron_recipes.validation.rules import select
+    from megatron_recipes.validation.validate import validate
 
     report = "\n".join("  " + v.render() for v in validate(cfg, rules=select(model_layout=True)))
     if report:

@@ -51,7 +51,7 @@ from megatron_recipes.convert.verify import (
 from megatron_recipes.models.builder import build_model_chunks
 from megatron_recipes.peft.lora import LoRALinear, merge_and_unload
 from megatron_recipes.peft.state import peft_active, prepare_for_training
-from megatron_recipes.plan.params import model_params
+from megatron_recipes.estimate.params import model_params
 from megatron_recipes.runtime.distributed import init_model_parallel, shutdown
 
 ADAPTER_CONFIG = "adapter_config.json"

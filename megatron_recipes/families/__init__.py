@@ -6,7 +6,7 @@ a random model from. What the modules share is declared beside them: ``family`` 
 ``transforms`` (typed tensor transforms) and ``hf_config`` (HF config helpers); the conversion engine in
 ``convert/`` reads families and is never imported by them.
 
-The list of families is explicit and lives once, in the rule table (``config/rules_model.FAMILIES``, the
+The list of families is explicit and lives once, in the rule table (``validation/rules_model.FAMILIES``, the
 allowed values of ``model.family``), so a recipe naming a family without a mapping fails validation
 before it trains. Adding a family: its module here, its name in that list, and a model YAML under
 ``recipes/model/`` to train it (any recipe composes it with ``model=<name>``); the conversion tests
@@ -20,8 +20,8 @@ from functools import lru_cache
 from typing import Dict, Optional, Sequence
 
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.config.rules_model import FAMILIES
 from megatron_recipes.families.family import Family
+from megatron_recipes.validation.rules_model import FAMILIES
 
 __all__ = ["FAMILIES", "Family", "all_families", "by_architecture", "by_name"]
 
@@ -35,7 +35,7 @@ def _load() -> Dict[str, Family]:
         if not isinstance(family, Family) or family.name != name:
             raise RecipeError(
                 f"megatron_recipes/families/{name}.py does not declare FAMILY = Family(name={name!r}, ...)",
-                fix="every name in config/rules_model.FAMILIES needs a module of that name declaring its FAMILY",
+                fix="every name in validation/rules_model.FAMILIES needs a module of that name declaring its FAMILY",
             )
         out[name] = family
     return out

@@ -1,6 +1,6 @@
 """What this machine offers (Transformer Engine, DeepEP, GPU, fused kernels), and the recipe against it.
 
-Detection lives here; the judgement is the rule table's ``machine`` scope (config/rules_machine.py),
+Detection lives here; the judgement is the rule table's ``machine`` scope (validation/rules_machine.py),
 run with the detected machine. A setting that cannot be honoured here is an error, never a silent
 downgrade (a run that trains something other than its recipe is worse than none).
 """
@@ -74,8 +74,8 @@ def use_transformer_engine(machine: Machine | None = None) -> bool:
 
 def unmet_requirements(cfg: RunConfig, machine: Machine | None = None) -> List[str]:
     """Why this machine cannot run the recipe as written (empty if it can): the rule table's machine rules."""
-    from megatron_recipes.config.rules import Host, select
-    from megatron_recipes.config.validate import validate
+    from megatron_recipes.validation.rules import Host, select
+    from megatron_recipes.validation.validate import validate
 
     host = Host(machine=machine or detect())
     return [v.message for v in validate(cfg, rules=select(("machine",)), host=host)]
@@ -83,8 +83,8 @@ def unmet_requirements(cfg: RunConfig, machine: Machine | None = None) -> List[s
 
 def require_supported(cfg: RunConfig, machine: Machine | None = None) -> None:
     """Refuse a recipe this machine cannot honour: a required fused kernel it lacks, or a machine rule."""
-    from megatron_recipes.config.rules import Host, select
-    from megatron_recipes.config.validate import validate
+    from megatron_recipes.validation.rules import Host, select
+    from megatron_recipes.validation.validate import validate
     from megatron_recipes.models import fusions
 
     machine = machine or detect()

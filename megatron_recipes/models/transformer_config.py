@@ -195,7 +195,7 @@ def build_transformer_config(cfg: RunConfig, use_te: bool, cpu_init: bool, fusio
     """
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-    from megatron_recipes.config.validate import require
+    from megatron_recipes.validation.validate import require
 
     require(cfg, "model.option_values", "recompute.values")  # the values mapped below
     m = cfg.model

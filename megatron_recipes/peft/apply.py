@@ -61,8 +61,8 @@ def _check_not_applied(chunks: List[torch.nn.Module]) -> None:
 
 
 def _check_static(cfg: RunConfig) -> None:
-    from megatron_recipes.config.rules_peft import PEFT_RULES
-    from megatron_recipes.config.validate import validate
+    from megatron_recipes.validation.rules_peft import PEFT_RULES
+    from megatron_recipes.validation.validate import validate
 
     violations = validate(cfg, rules=PEFT_RULES)
     if violations:

@@ -1,1 +1,2 @@
-"""Layout planning without processes: rank -> group map, parameter/memory/step-time estimates, search, pictures."""
+"""The ``plan`` command: a recipe's layout, groups, memory and step time (from ``estimate``) with its
+verdict (from ``validation``), the layout search, the report and the picture."""

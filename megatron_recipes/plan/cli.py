@@ -19,8 +19,8 @@ from megatron_recipes.cli_args import positive_int, split_args
 from megatron_recipes.config.compose import compose_recipe, to_yaml
 from megatron_recipes.config.errors import RecipeError, ValidationError
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.config.validate import validate
 from megatron_recipes.plan.search import INPUT_RULES, PLAN_RULES  # `plan` names the rules it did not check
+from megatron_recipes.validation.validate import validate
 
 PROG = "megatron-recipes plan"
 FLAGS = {"search": False, "picture": True, "show-config": False, "json": False, "all-groups": False, "top": positive_int,
@@ -58,7 +58,7 @@ def print_rules(as_json: bool, console: Console) -> int:
     """Every rule of the one table (all scopes), with the scope that says which command judges it."""
     from rich.table import Table
 
-    from megatron_recipes.config.rules import RULES, SCOPES
+    from megatron_recipes.validation.rules import RULES, SCOPES
 
     if as_json:
         print(json.dumps([{"id": r.id, "scope": r.scope, "fields": list(r.fields), "rule": r.message} for r in RULES], indent=2))

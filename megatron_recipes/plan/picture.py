@@ -14,7 +14,7 @@ from megatron_recipes import files
 from megatron_recipes.config import derived
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.plan.groups import build_group_map, coordinates
+from megatron_recipes.estimate.groups import build_group_map, coordinates
 
 MAX_NODES_DRAWN = 16
 FORMATS = (".png", ".svg", ".pdf")

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from megatron_recipes.plan.memory import GB
+from megatron_recipes.estimate.memory import GB
 from megatron_recipes.plan.search import SearchResult
 
 GROUP_ORDER = ("tp", "cp", "dp", "dp_cp", "pp", "ep", "etp", "edp")
@@ -103,7 +103,7 @@ def _render_memory(mem: Dict[str, Any], console: Console) -> None:
     console.print(t)
     console.print("exact: params (megatron-core's shapes), weights/grads/optimizer bytes per parameter; estimated: "
                   "activations (Transformer Engine kernels on GPUs: not measured here), overhead (CUDA context, "
-                  "NCCL, workspaces and allocator fragmentation: assumed, topology/memory.py)")
+                  "NCCL, workspaces and allocator fragmentation: assumed, estimate/memory.py)")
     console.print(f"pipeline bubble: {mem['bubble_fraction'] * 100:.1f}% of the step")
     sh = mem["sharding"]
     console.print(f"sharding: {sh['stage']}{' (Megatron-FSDP)' if sh['fsdp'] else ''} over {sh['dense_shard_ranks']} ranks "
@@ -130,7 +130,7 @@ def _render_time(st: Dict[str, Any], console: Console) -> None:
                   f"model MFU {st['model_mfu'] * 100:.0f}% of the bf16 peak")
     dominant = ", ".join(f"{k} {share:.0%}" for k, share in st["dominant"])
     console.print(f"dominant terms: {dominant}; {st['gemm_format']} GEMMs at {st['gemm_efficiency']:.0%} of their peak "
-                  "(constants and their sources: topology/rates.py)")
+                  "(constants and their sources: estimate/rates.py)")
     for line in st["assumptions"]:
         console.print(f"  assumed: {line}")
 
@@ -163,7 +163,7 @@ def render_search(result: SearchResult, recipe: str, console: Console, base_over
     if modes:
         console.print(f"the recipe's own sharding left too few layouts that fit; also searched: {', '.join(modes)} "
                       "(their commands set it; step times count one parameter all-gather per step, zero3 gathers in forward and backward)")
-    t = Table(title="fastest valid layouts (analytic step-time model; see plan/steptime.py)")
+    t = Table(title="fastest valid layouts (analytic step-time model; see estimate/steptime.py)")
     for col in ("#", "tp", "pp", "vpp", "cp", "ep", "etp", "mbs", "recompute", "step s", "tok/s/GPU", "MFU", "mem GB", "margin", "bubble"):
         t.add_column(col, justify="right")
     for i, r in enumerate(rows, 1):

@@ -9,12 +9,12 @@ from typing import Any, Dict, List
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.plan.groups import GroupKind, build_group_map, coordinates
-from megatron_recipes.plan.memory import GB, estimate_memory
-from megatron_recipes.plan.sharding import host_memory, shard_groups
-from megatron_recipes.plan.params import active_params, model_params
-from megatron_recipes.plan import rates
-from megatron_recipes.plan.steptime import estimate_step_time
+from megatron_recipes.estimate import rates
+from megatron_recipes.estimate.groups import GroupKind, build_group_map, coordinates
+from megatron_recipes.estimate.memory import GB, estimate_memory
+from megatron_recipes.estimate.params import active_params, model_params
+from megatron_recipes.estimate.sharding import host_memory, shard_groups
+from megatron_recipes.estimate.steptime import estimate_step_time
 
 SHOWN_GROUPS = 3  # groups listed per kind unless --all-groups
 SHOWN_RANKS = 16  # ranks in the per-rank map unless --all-groups

@@ -4,7 +4,7 @@ The recipe already knows the nodes, GPUs per node, container and layout, so the 
 from it rather than hand-written. ``megatron-recipes slurm render|submit <recipe> [overrides]``.
 
 Module map: ``launch_plan`` (recipe -> validated ``LaunchPlan``), ``checks`` (Slurm's value syntax; the
-settings are judged by the rule table's ``launch`` scope, config/rules_launch.py), ``container`` (pyxis
+settings are judged by the rule table's ``launch`` scope, validation/rules_launch.py), ``container`` (pyxis
 flags, mounts, host <-> container paths), ``environment`` (NCCL/CUDA variables and why), ``commands`` (the srun/torchrun command lines, shared
 with the in-container entry ``megatron_recipes._launch.entry``), ``dryrun`` (prints them per node, via
 that entry's own code), ``script`` (the sbatch text), ``submit`` (sbatch), ``cli``, ``probe`` (an

@@ -10,9 +10,9 @@ import os
 from typing import Sequence
 
 from megatron_recipes.config.compose import compose_recipe
-from megatron_recipes.config.rules import Host, select
+from megatron_recipes.validation.rules import Host, select
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.config.validate import validate_or_raise
+from megatron_recipes.validation.validate import validate_or_raise
 from megatron_recipes.config import container_flags as container
 from megatron_recipes.slurm.commands import PROBE_MODULE, TRAIN_MODULE, LaunchPlan, default_python
 

@@ -18,7 +18,7 @@ from typing import List
 from megatron_recipes.config import derived
 from megatron_recipes.config.compose import to_yaml
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.config.rules_values import CONTROL
+from megatron_recipes.validation.rules_values import CONTROL
 from megatron_recipes.config import slurm_syntax as checks
 from megatron_recipes.slurm import commands, environment
 from megatron_recipes.slurm.commands import LaunchPlan, ShellExpr, shell_line, shell_word

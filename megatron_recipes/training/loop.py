@@ -20,7 +20,7 @@ from megatron_recipes.config.compose import to_yaml
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.models import capabilities, fusions
-from megatron_recipes.plan import cost
+from megatron_recipes.estimate import cost
 from megatron_recipes.report import run_facts, write_report_after_run
 from megatron_recipes.peft.state import peft_active, prepare_for_training
 from megatron_recipes.runtime import distributed, versions
@@ -41,7 +41,7 @@ class TrainingDiverged(RecipeError):
 
 def validate(cfg: RunConfig, recipe: str) -> None:
     """The recipe rules, what this machine can honour, and the inputs the run will read."""
-    from megatron_recipes.config.validate import validate_or_raise
+    from megatron_recipes.validation.validate import validate_or_raise
 
     validate_or_raise(cfg, recipe)
     capabilities.require_supported(cfg)

@@ -1,6 +1,6 @@
 """What a step costs in memory: peak device memory, and the largest value over ranks.
 
-FLOPs and MFU come from the one cost model, ``plan/cost.py``, so ``plan`` and ``train`` agree.
+FLOPs and MFU come from the one cost model, ``estimate/cost.py``, so ``plan`` and ``train`` agree.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ def optimizer_config(cfg: RunConfig):
     """
     from megatron.core.optimizer import OptimizerConfig
 
-    from megatron_recipes.config.validate import require
+    from megatron_recipes.validation.validate import require
 
     require(cfg, "optimizer.name", "optimizer.distributed_needs_adam")
     o, prec = cfg.optimizer, cfg.precision
@@ -163,7 +163,7 @@ def build_scheduler(cfg: RunConfig, optimizer):
     """Warm-up then cosine/linear/constant decay, counted in optimizer steps (not samples)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_recipes.config.validate import require
+    from megatron_recipes.validation.validate import require
 
     require(cfg, "optimizer.schedule")
     o = cfg.optimizer

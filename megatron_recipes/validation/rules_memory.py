@@ -1,15 +1,17 @@
 """The memory rule: the fullest GPU of the layout must fit the cluster's device memory.
 
-The estimate itself lives in ``topology.memory`` (imported lazily: it is the planner's model, and the
-rule only asks for its verdict once the layout is otherwise sound).
+The estimate itself is the cost model's (``estimate/memory.py``, ``estimate/sharding.py``), the one ``plan``
+prints; the rule asks for its verdict only once the layout is otherwise sound.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from megatron_recipes.config.rules_base import batch_ok, layers_ok, model_ok, rule
 from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.estimate.memory import GB, estimate_memory
+from megatron_recipes.estimate.sharding import host_memory
+from megatron_recipes.validation.rules_base import batch_ok, layers_ok, model_ok, rule
 
 
 @rule(
@@ -23,8 +25,6 @@ from megatron_recipes.config.schema import RunConfig
 def _fits(cfg: RunConfig) -> Optional[str]:
     if not (model_ok(cfg) and layers_ok(cfg) and batch_ok(cfg)) or cfg.cluster.gpu_memory_gb <= 0:
         return None
-    from megatron_recipes.plan.memory import GB, estimate_memory
-
     est = estimate_memory(cfg)
     if est.fits:
         return None
@@ -58,8 +58,6 @@ def _precision_hint(cfg: RunConfig, w) -> str:
 def _host_fits(cfg: RunConfig) -> Optional[str]:
     if not cfg.optimizer.cpu_offload or cfg.cluster.host_memory_gb <= 0 or not (model_ok(cfg) and layers_ok(cfg) and batch_ok(cfg)):
         return None
-    from megatron_recipes.plan.sharding import GB, host_memory
-
     host = host_memory(cfg)
     if host.fits:
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_recipes.config import derived
-from megatron_recipes.config.rules_base import (
+from megatron_recipes.validation.rules_base import (
     choices,
     degrees_ok,
     divisors,
@@ -16,6 +16,7 @@ from megatron_recipes.config.rules_base import (
     world_ok,
 )
 from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.estimate.groups import build_group_map
 
 def _world_desc(cfg: RunConfig) -> str:
     c = cfg.cluster
@@ -136,8 +137,6 @@ def _tp_nvlink(cfg: RunConfig) -> Optional[str]:
         return None
     domain, world = max(1, cfg.cluster.nvlink_domain), derived.world_size(cfg)
     if world_ok(cfg):  # the groups megatron-core will build
-        from megatron_recipes.plan.groups import build_group_map
-
         leaving = [list(g) for g in build_group_map(cfg)["tp"].groups_leaving_domain()]
     else:  # TP groups are always blocks of tp consecutive ranks (tp is first in the rank order)
         leaving = [list(range(s, s + p.tp)) for s in range(0, max(world, p.tp), p.tp) if s // domain != (s + p.tp - 1) // domain]

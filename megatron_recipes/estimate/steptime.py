@@ -37,9 +37,9 @@ from typing import Dict, List
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.plan import activations, cost, rates, schedule
-from megatron_recipes.plan.cost import kind_forward_flops
-from megatron_recipes.plan.params import stage_params
+from megatron_recipes.estimate import activations, cost, rates, schedule
+from megatron_recipes.estimate.cost import kind_forward_flops
+from megatron_recipes.estimate.params import stage_params
 
 NOMINAL_TFLOPS = 1.0  # CPU clusters: relative ranking only
 NOMINAL_BW_GBPS = 10.0
@@ -179,7 +179,7 @@ def _ep_time(cfg: RunConfig, groups, tokens_local: float, act: int, moe_layers: 
 
 def estimate_step_time(cfg: RunConfig, groups=None) -> StepTime:
     """The model above for a validated layout (``groups``: a prebuilt group map, to save time)."""
-    from megatron_recipes.plan.groups import build_group_map
+    from megatron_recipes.estimate.groups import build_group_map
 
     groups = groups if groups is not None else build_group_map(cfg)
     m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.cluster

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_recipes.config import derived
-from megatron_recipes.config.rules_base import blocks_cross_domain, choices, divisors, fmt_ranks, is_gpu, one_of, rule, world_ok
 from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.estimate.groups import build_group_map
+from megatron_recipes.validation.rules_base import blocks_cross_domain, choices, divisors, fmt_ranks, is_gpu, one_of, rule, world_ok
 
 DISPATCHERS = ("allgather", "alltoall", "flex")
 FLEX_BACKENDS = ("deepep", "hybridep")
@@ -255,8 +256,6 @@ def _ep_nvlink(cfg: RunConfig) -> Optional[str]:
     p = cfg.parallel
     if not _moe(cfg) or p.ep == 1 or not is_gpu(cfg) or p.allow_inter_node_ep or not world_ok(cfg):
         return None
-    from megatron_recipes.plan.groups import build_group_map
-
     leaving = build_group_map(cfg)["ep"].groups_leaving_domain()
     if not leaving:
         return None
@@ -280,8 +279,6 @@ def _etp_nvlink(cfg: RunConfig) -> Optional[str]:
     etp = derived.expert_tensor_parallel_size(cfg)
     if not _moe(cfg) or etp == 1 or etp == p.tp or not is_gpu(cfg) or p.allow_inter_node_tp or not world_ok(cfg):
         return None  # etp == tp: tp.nvlink_domain already judges these ranks
-    from megatron_recipes.plan.groups import build_group_map
-
     leaving = build_group_map(cfg)["etp"].groups_leaving_domain()
     if not leaving:
         return None

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List
 
-from megatron_recipes.config.rules_base import DEFAULT_SCOPES, SCOPES, Host, Rule
-from megatron_recipes.config.rules_cp import CP_RULES
-from megatron_recipes.config.rules_data import DATA_RULES
-from megatron_recipes.config.rules_launch import LAUNCH_RULES
-from megatron_recipes.config.rules_layout import LAYOUT_RULES
-from megatron_recipes.config.rules_machine import MACHINE_RULES
-from megatron_recipes.config.rules_memory import MEMORY_RULES
-from megatron_recipes.config.rules_model import MODEL_RULES
-from megatron_recipes.config.rules_moe import MOE_RULES
-from megatron_recipes.config.rules_peft import PEFT_RULES
-from megatron_recipes.config.rules_precision import PRECISION_RULES
-from megatron_recipes.config.rules_sharding import SHARDING_RULES
-from megatron_recipes.config.rules_train import TRAIN_RULES
-from megatron_recipes.config.rules_values import VALUE_RULES
+from megatron_recipes.validation.rules_base import DEFAULT_SCOPES, SCOPES, Host, Rule
+from megatron_recipes.validation.rules_cp import CP_RULES
+from megatron_recipes.validation.rules_data import DATA_RULES
+from megatron_recipes.validation.rules_launch import LAUNCH_RULES
+from megatron_recipes.validation.rules_layout import LAYOUT_RULES
+from megatron_recipes.validation.rules_machine import MACHINE_RULES
+from megatron_recipes.validation.rules_memory import MEMORY_RULES
+from megatron_recipes.validation.rules_model import MODEL_RULES
+from megatron_recipes.validation.rules_moe import MOE_RULES
+from megatron_recipes.validation.rules_peft import PEFT_RULES
+from megatron_recipes.validation.rules_precision import PRECISION_RULES
+from megatron_recipes.validation.rules_sharding import SHARDING_RULES
+from megatron_recipes.validation.rules_train import TRAIN_RULES
+from megatron_recipes.validation.rules_values import VALUE_RULES
 
 # Single values first (a newline or a NaN makes every later message misleading); memory last: it only
 # speaks once the layout it estimates is otherwise valid.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
-from megatron_recipes.config.rules_base import one_of, rule
 from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.validation.rules_base import one_of, rule
 
 DATA_KINDS = ("builtin", "indexed", "sft", "mock")
 SPLITS = ("train", "valid", "test")

@@ -1,6 +1,6 @@
-"""The one cost model: training FLOPs per token, the MFU numerator of both ``plan`` and the trainer.
+"""The one FLOPs count: training FLOPs per token, the MFU numerator of both ``plan`` and the trainer.
 
-Matrix-multiply FLOPs come from the planner's parameter counts (``params.py``, checked against what
+Matrix-multiply FLOPs come from the cost model's parameter counts (``params.py``, checked against what
 megatron-core builds): ``2 x`` the weights one token meets (top-k routed experts, the router, shared
 experts), causal core attention at half the ``s x s`` square, and the logits over the *padded*
 vocabulary. Forward x3 covers forward + backward; recomputation is not counted (MFU measures useful
@@ -18,7 +18,7 @@ from typing import Optional
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.schema import ModelConfig, RunConfig
-from megatron_recipes.plan.params import Shard, attention_params, mlp_params
+from megatron_recipes.estimate.params import Shard, attention_params, mlp_params
 
 
 def _attention_core_flops(m: ModelConfig, seq: int) -> float:

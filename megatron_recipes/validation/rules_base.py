@@ -115,7 +115,7 @@ def world_ok(cfg: RunConfig) -> bool:
 
 def layers_ok(cfg: RunConfig) -> bool:
     """The pipeline split of the layers is valid (so per-stage quantities mean something)."""
-    from megatron_recipes.config.rules_layout import pipeline_split_problem
+    from megatron_recipes.validation.rules_layout import pipeline_split_problem
 
     return degrees_ok(cfg) and pipeline_split_problem(cfg) is None
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_recipes.config.rules_base import Host, rule
-from megatron_recipes.config.rules_data import packed_thd_needs_mbs1
 from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.validation.rules_base import Host, rule
+from megatron_recipes.validation.rules_data import packed_thd_needs_mbs1
 
 
 def _te(host: Host) -> bool:

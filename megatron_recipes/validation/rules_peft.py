@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 from megatron_recipes.config import derived, peft_methods as methods
-from megatron_recipes.config.rules_base import rule
 from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.validation.rules_base import rule
 
 TARGETS = methods.TARGETS
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_recipes.config import derived
-from megatron_recipes.config.rules_base import choices, divisors, is_gpu, one_of, rule, world_ok
 from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.validation.rules_base import choices, divisors, is_gpu, one_of, rule, world_ok
 
 SHARDING = ("zero1", "zero2", "zero3")
 

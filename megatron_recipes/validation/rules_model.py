@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_recipes.config.rules_base import choices, divisors, one_of, rule
 from megatron_recipes.config.schema import ACTIVATIONS, NORMALIZATIONS, POSITION_TYPES, ROPE_SCALING_TYPES, RunConfig
+from megatron_recipes.validation.rules_base import choices, divisors, one_of, rule
 
 # The explicit list of model families: each name has its mapping module megatron_recipes/families/<name>.py
 # (tests/test_hostile_recipes.py checks both ways); a family without one would train and only fail at export.

@@ -15,8 +15,8 @@ import math
 import re
 from typing import Any, Iterator, Optional, Tuple
 
-from megatron_recipes.config.rules_base import rule
 from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.validation.rules_base import rule
 
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 

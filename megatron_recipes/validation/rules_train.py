@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_recipes.config import derived
-from megatron_recipes.config.rules_base import choices, divisors, layers_ok, one_of, rule, world_ok
 from megatron_recipes.config.schema import DECAY_STYLES, OPTIMIZERS, RECOMPUTE, RECOMPUTE_METHODS, RunConfig
+from megatron_recipes.validation.rules_base import choices, divisors, layers_ok, one_of, rule, world_ok
 
 
 @rule(

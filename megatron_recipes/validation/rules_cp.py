@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from megatron_recipes.config.rules_base import choices, divisors, is_gpu, one_of, rule
 from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.validation.rules_base import choices, divisors, is_gpu, one_of, rule
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_recipes.config.rules_base import choices, one_of, rule
 from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.validation.rules_base import choices, one_of, rule
 
 GPU_ARCHS = ("cpu", "ampere", "hopper", "blackwell")
 PARAM_DTYPES = ("fp32", "bf16", "fp16")

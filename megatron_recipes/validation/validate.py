@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Iterable, List, Optional
 
 from megatron_recipes.config.errors import ValidationError, Violation
-from megatron_recipes.config.rules import Rule, select
-from megatron_recipes.config.rules_base import Host, degrees_ok
 from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.validation.rules import Rule, select
+from megatron_recipes.validation.rules_base import Host, degrees_ok
 
 
 def validate(cfg: RunConfig, rules: Optional[Iterable[Rule]] = None, skip: Iterable[str] = (),
@@ -45,7 +45,7 @@ def validate_or_raise(cfg: RunConfig, recipe_name: str = "recipe", rules: Option
 def require(cfg: RunConfig, *rule_ids: str) -> None:
     """Raise the named rules' violations: a builder reachable without ``validate`` (tests, conversion)
     asks the table for the rules on the fields it maps instead of repeating their allowed values."""
-    from megatron_recipes.config.rules import rules_by_id
+    from megatron_recipes.validation.rules import rules_by_id
 
     table = rules_by_id()
     validate_or_raise(cfg, "recipe", rules=[table[i] for i in rule_ids])

@@ -6,7 +6,7 @@ Model state per parameter on a rank (``params_dtype`` bf16 shown):
     for routed experts when the distributed optimizer shards them.
 Activations: ``activations.chunk_bytes`` per microbatch times the microbatches in flight at the stage's
 peak (``schedule``), plus what full recompute rebuilds during backward.
-Sharding (ZeRO stages, hybrid instances) and optimizer offload: ``topology/sharding.py``.
+Sharding (ZeRO stages, hybrid instances) and optimizer offload: ``estimate/sharding.py``.
 PEFT (any ``peft.method`` but none) freezes the base: its weights stay, its gradients and optimizer state
 go; the small adapters are not counted, and NF4 storage is counted at the bf16 size (conservative).
 Overhead: CUDA context, NCCL buffers and allocator fragmentation, a fixed amount plus a share.
@@ -20,8 +20,8 @@ from typing import List
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.plan import activations, schedule, sharding
-from megatron_recipes.plan.params import ParamCount, stage_params
+from megatron_recipes.estimate import activations, schedule, sharding
+from megatron_recipes.estimate.params import ParamCount, stage_params
 
 GB = 1e9
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

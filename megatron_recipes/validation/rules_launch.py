@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from megatron_recipes.config.rules_base import Host, choices, rule
-from megatron_recipes.config.schema import LAUNCHERS, RunConfig
 from megatron_recipes.config import container_flags as container
+from megatron_recipes.config.schema import LAUNCHERS, RunConfig
 from megatron_recipes.config.slurm_syntax import ENV_NAME, OWNED_OPTIONS, option_name, signal_name, time_limit_seconds
+from megatron_recipes.validation.rules_base import Host, choices, rule
 
 
 def _limit(cfg: RunConfig) -> Optional[int]:
