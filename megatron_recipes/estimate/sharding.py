@@ -26,7 +26,7 @@ from typing import List, Tuple
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.estimate.params import ParamCount, layers_params, shard_of
+from megatron_recipes.estimate.params import ParamCount, layers_params, shard_of, stage_params
 
 GB = 1e9
 HOST_BYTES_PER_OFFLOADED_ADAM_PARAM = 16.0  # fp32 master copy + m + v + pinned grad copy
@@ -114,8 +114,6 @@ def host_memory(cfg: RunConfig) -> HostMemory:
     megatron-core's default order puts consecutive ranks in TP, then DP, then PP, so a node holds the
     ranks of one or more whole stages; the estimate takes the fullest stage for all of the node's ranks.
     """
-    from megatron_recipes.estimate.params import stage_params
-
     worst = max(host_bytes_per_rank(cfg, stage_params(cfg, r)) for r in range(max(1, cfg.parallel.pp)))
     return HostMemory(worst * cfg.cluster.gpus_per_node, cfg.cluster.host_memory_gb * GB)
 

@@ -39,6 +39,7 @@ from megatron_recipes.config import derived
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.estimate import activations, cost, rates, schedule
 from megatron_recipes.estimate.cost import kind_forward_flops
+from megatron_recipes.estimate.groups import build_group_map
 from megatron_recipes.estimate.params import stage_params
 
 NOMINAL_TFLOPS = 1.0  # CPU clusters: relative ranking only
@@ -179,8 +180,6 @@ def _ep_time(cfg: RunConfig, groups, tokens_local: float, act: int, moe_layers: 
 
 def estimate_step_time(cfg: RunConfig, groups=None) -> StepTime:
     """The model above for a validated layout (``groups``: a prebuilt group map, to save time)."""
-    from megatron_recipes.estimate.groups import build_group_map
-
     groups = groups if groups is not None else build_group_map(cfg)
     m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.cluster
     nominal = c.peak_bf16_tflops <= 0

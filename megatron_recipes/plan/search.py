@@ -18,11 +18,11 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 from megatron_recipes.config import derived
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.estimate import sharding
+from megatron_recipes.estimate.groups import build_group_map
 from megatron_recipes.estimate.memory import MemoryEstimate, estimate_memory
 from megatron_recipes.estimate.steptime import StepTime, estimate_step_time
 from megatron_recipes.validation.rules import select
-from megatron_recipes.validation.rules_base import divisors
-from megatron_recipes.validation.rules_layout import pipeline_split_problem
+from megatron_recipes.validation.rules_base import divisors, pipeline_split_problem
 from megatron_recipes.validation.validate import validate
 
 # Planning judges the recipe scope only; the input rules (files a training job reads, which planning never
@@ -179,7 +179,6 @@ def search_layouts(cfg: RunConfig, top: int = 5, max_validated: int = 400, progr
 
 def _search_mode(cfg: RunConfig, top: int, max_validated: int, mode: Optional[str], progress: bool) -> SearchResult:
     from megatron_recipes.progress import Progress
-    from megatron_recipes.estimate.groups import build_group_map
 
     label = f" ({mode})" if mode else ""
     enumerated, ranked = 0, []

@@ -5,18 +5,20 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_recipes.config import derived
+from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.estimate.groups import build_group_map
 from megatron_recipes.validation.rules_base import (
     choices,
     degrees_ok,
     divisors,
     fmt_ranks,
     is_gpu,
+    pipeline_split_problem,
     rule,
     valid_tp_values,
     world_ok,
 )
-from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.estimate.groups import build_group_map
+
 
 def _world_desc(cfg: RunConfig) -> str:
     c = cfg.cluster
@@ -174,62 +176,6 @@ def _sp_seq(cfg: RunConfig) -> Optional[str]:
     if local % p.tp == 0:
         return None
     return f"train.seq_length={s} / parallel.cp={p.cp} = {local} tokens per CP rank is not divisible by parallel.tp={p.tp}"
-
-
-def _account_proposal(layers: int, pp: int, vpp: int) -> str:
-    """The account_for_* overrides that make ``layers`` split over pp x vpp, or ''."""
-    for emb, loss in ((1, 1), (1, 0), (0, 1)):
-        if (layers + emb + loss) % (pp * vpp) == 0:
-            flags = [f"parallel.account_for_{n}_in_pipeline_split=true" for n, on in (("embedding", emb), ("loss", loss)) if on]
-            return (
-                f"; {' '.join(flags)} counts the {' and the '.join(n for n, on in (('embedding', emb), ('loss', loss)) if on)} "
-                f"as a layer: {layers}+{emb + loss} = {layers + emb + loss} = {pp}x{vpp}x{(layers + emb + loss) // (pp * vpp)} "
-                "slots per virtual stage (the first/last chunk then builds one layer fewer)"
-            )
-    return ""
-
-
-def pipeline_split_problem(cfg: RunConfig) -> Optional[str]:
-    """Why the layers cannot be split over pp x vpp (megatron-core's even/uneven rules), or None."""
-    p, layers = cfg.parallel, cfg.model.num_layers
-    vpp = p.vpp or 1
-    first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
-    emb, loss = int(p.account_for_embedding_in_pipeline_split), int(p.account_for_loss_in_pipeline_split)
-    if (emb or loss) and (first is not None or last is not None):
-        return (
-            "parallel.account_for_embedding/loss_in_pipeline_split cannot be combined with "
-            "parallel.num_layers_in_first/last_pipeline_stage (megatron-core accepts one way of splitting unevenly)"
-        )
-    if first is None and last is None:
-        slots = layers + emb + loss
-        if slots % (p.pp * vpp):
-            ok = [d for d in divisors(slots // vpp if slots % vpp == 0 else 0)]
-            counted = f"model.num_layers={layers}" + (f" + {emb + loss} (embedding/loss counted as layers)" if emb or loss else "")
-            return (
-                f"{counted} is not divisible by parallel.pp*vpp = {p.pp}*{vpp} = {p.pp * vpp}; "
-                f"use parallel.pp in {choices(ok)} (with vpp={p.vpp}), or set "
-                "parallel.num_layers_in_first/last_pipeline_stage" + ("" if emb or loss else _account_proposal(layers, p.pp, vpp))
-            )
-        return None
-    if p.pp < 2:
-        return "parallel.num_layers_in_first/last_pipeline_stage need parallel.pp > 1"
-    middle_layers, middle_ranks = layers, p.pp
-    for name, n in (("first", first), ("last", last)):
-        if n is None:
-            continue
-        if n <= 0 or n % vpp:
-            return f"parallel.num_layers_in_{name}_pipeline_stage={n} must be > 0 and divisible by vpp={vpp}"
-        middle_layers -= n
-        middle_ranks -= 1
-    if middle_layers < 0 or bool(middle_layers) != bool(middle_ranks):
-        return f"{middle_layers} layers remain for {middle_ranks} middle stages (num_layers={layers}, pp={p.pp})"
-    if middle_ranks and (middle_layers % middle_ranks or (middle_layers // middle_ranks) % vpp):
-        return (
-            f"the {middle_layers} middle layers do not split evenly over {middle_ranks} middle stages x vpp={vpp}; "
-            f"adjust num_layers_in_first/last_pipeline_stage so that num_layers - first - last is a multiple of "
-            f"{middle_ranks * vpp}"
-        )
-    return None
 
 
 @rule(

@@ -10,7 +10,7 @@ from typing import Iterable, List, Optional
 
 from megatron_recipes.config.errors import ValidationError, Violation
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.validation.rules import Rule, select
+from megatron_recipes.validation.rules import Rule, rules_by_id, select
 from megatron_recipes.validation.rules_base import Host, degrees_ok
 
 
@@ -45,7 +45,5 @@ def validate_or_raise(cfg: RunConfig, recipe_name: str = "recipe", rules: Option
 def require(cfg: RunConfig, *rule_ids: str) -> None:
     """Raise the named rules' violations: a builder reachable without ``validate`` (tests, conversion)
     asks the table for the rules on the fields it maps instead of repeating their allowed values."""
-    from megatron_recipes.validation.rules import rules_by_id
-
     table = rules_by_id()
     validate_or_raise(cfg, "recipe", rules=[table[i] for i in rule_ids])
