@@ -171,6 +171,11 @@ CASES: Dict[str, Case] = {
         ("peft.method=ptuning", "train.seq_length=4096", "parallel.cp=1", PT),
     ),
     "peft.needs_pretrained": (TINY, ("peft.method=lora",), ("peft.method=lora", PT)),
+    "peft.modules_to_save": (
+        TINY,
+        ("peft.method=lora", "peft.modules_to_save=[output_layer]", "model.tie_embeddings=true", PT),
+        ("peft.method=lora", "peft.modules_to_save=[output_layer]", PT),
+    ),
     "sharding.values": (TINY, ("parallel.sharding=zero4",), ("parallel.sharding=zero1",)),
     "sharding.needs_distributed_optimizer": (
         TINY,

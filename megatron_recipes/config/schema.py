@@ -304,6 +304,9 @@ class PeftConfig:
     target_modules: List[str] = field(
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     )  # also expert_fc1 / expert_fc2 (routed experts); shared experts count as linear_fc1/fc2
+    # base modules trained whole beside the adapters and saved with them (HF PEFT's modules_to_save):
+    # output_layer (the LM head) lets a small base raise tokens its frozen head cannot make likely
+    modules_to_save: List[str] = field(default_factory=list)
     # QLoRA: frozen base linears stored as NF4 with double-quantised scales
     nf4_block_size: int = 64
     double_quant: bool = True

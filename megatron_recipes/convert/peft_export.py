@@ -198,6 +198,12 @@ def export_adapter(
         raise RecipeError(
             "P-Tuning v2 prefixes have no HF PEFT LoRA form", fix="adapter_only export covers lora, dora and qlora runs"
         )
+    if run_cfg.peft.modules_to_save:
+        raise RecipeError(
+            f"the run also trained {list(run_cfg.peft.modules_to_save)} whole (peft.modules_to_save); "
+            "an adapter-only export would leave them behind",
+            fix="export the merged model instead (drop adapter_only=true)",
+        )
     flags, assets = _hf_flags(run_cfg, resolved, hf_assets)
     try:
         cfg, chunks, _ = load_trained(resolved)

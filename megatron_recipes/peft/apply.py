@@ -145,6 +145,26 @@ def _add_prefixes(chunks: List[torch.nn.Module], cfg: RunConfig) -> List[str]:
     return adapted
 
 
+def _unfreeze_saved(chunks: List[torch.nn.Module], names: List[str]) -> List[str]:
+    """``peft.modules_to_save``: these base modules train whole; adapter checkpoints keep every trainable
+    tensor, so they are saved and resumed with the adapters. Only the last pipeline stage has the head."""
+    trained = []
+    for chunk in chunks:
+        for name in names:
+            module = getattr(chunk, name, None)
+            if module is None:
+                continue
+            if getattr(module, "weight", None) is None:
+                raise RecipeError(
+                    f"peft.modules_to_save names {name}, which has no weight of its own here (tied to the embedding)",
+                    fix="set model.tie_embeddings=false, or leave it out of peft.modules_to_save",
+                )
+            for param in module.parameters():
+                param.requires_grad_(True)
+            trained.append(name)
+    return trained
+
+
 def apply_peft(model_chunks: List[torch.nn.Module], cfg: RunConfig, report: bool = True) -> PeftSummary:
     """Freeze the base, attach adapters per ``cfg.peft``, print the parameter counts (rank 0)."""
     method = methods.parse(cfg.peft.method)
@@ -159,6 +179,7 @@ def apply_peft(model_chunks: List[torch.nn.Module], cfg: RunConfig, report: bool
                 param.requires_grad_(False)
         before = ParamTotals.targeted_bf16_bytes(model_chunks, cfg) if method.quantize else 0
         adapted = _add_prefixes(model_chunks, cfg) if method.prefix else _wrap_linears(model_chunks, cfg, method)
+        adapted += _unfreeze_saved(model_chunks, list(cfg.peft.modules_to_save))
         totals = count_parameters(model_chunks)
         summary = PeftSummary(
             cfg.peft.method,

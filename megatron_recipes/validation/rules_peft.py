@@ -192,4 +192,29 @@ def _needs_pretrained(cfg: RunConfig) -> Optional[str]:
     return None
 
 
-PEFT_RULES = [_valid_method, _lora_values, _rank_fits, _nf4_blocks, _prefix_room, _prefix_layout, _needs_pretrained]
+SAVABLE_MODULES = ("output_layer",)
+
+
+@rule(
+    "peft.modules_to_save",
+    ["peft.modules_to_save", "peft.method", "model.tie_embeddings"],
+    "peft.modules_to_save names base modules an adapter run can train whole (output_layer, untied from the embedding)",
+    "use peft.modules_to_save=[output_layer] with an adapter method and model.tie_embeddings=false, or leave it empty",
+)
+def _modules_to_save(cfg: RunConfig) -> Optional[str]:
+    names = list(cfg.peft.modules_to_save)
+    m = _method(cfg)
+    if not names or not m:
+        return None
+    if m.none:
+        return f"peft.modules_to_save={names} with peft.method=none: every module trains already"
+    unknown = [n for n in names if n not in SAVABLE_MODULES]
+    if unknown:
+        return f"peft.modules_to_save has unknown module name(s) {unknown}; valid names: {', '.join(SAVABLE_MODULES)}"
+    if "output_layer" in names and cfg.model.tie_embeddings:
+        return "peft.modules_to_save=[output_layer] with model.tie_embeddings=true: the head is the frozen embedding"
+    return None
+
+
+PEFT_RULES = [_valid_method, _lora_values, _rank_fits, _nf4_blocks, _prefix_room, _prefix_layout, _needs_pretrained,
+              _modules_to_save]
