@@ -120,6 +120,16 @@ def _errors_job():
     out["state_keys"] = sorted(state)
     out["trainable_names"] = sorted(n for n, p in chunks[0].named_parameters() if p.requires_grad)
 
+    cfg = ps.tiny_cfg(1, "peft.method=lora", "peft.modules_to_save=[output_layer]")
+    chunks = build_model_chunks(cfg)
+    summary = apply_peft(chunks, cfg, report=False)
+    out["saved_head"] = {
+        "trainable": summary.trainable,
+        "head": chunks[0].output_layer.weight.numel(),
+        "state_keys": sorted(checkpoint_state(chunks[0], {})),
+        "trainable_names": sorted(n for n, p in chunks[0].named_parameters() if p.requires_grad),
+    }
+
     cfg = ps.tiny_cfg(1, "peft.method=lora", "checkpoint.pretrained=/nonexistent/base")
     attempt("pretrained", lambda: checkpoint.start_of(cfg, adapters_only=True).load_weights(build_model_chunks(cfg)))
     return out
@@ -151,3 +161,14 @@ def test_qlora_summary_reports_counts_and_memory(built):
 def test_adapter_only_checkpoint_state(built):
     assert built["state_keys"] == built["trainable_names"]  # exactly the trainable tensors, base keys untouched
     assert all(k.endswith(("lora_a", "lora_b")) for k in built["state_keys"])
+
+
+def test_modules_to_save_trains_the_head_and_saves_it_with_the_adapters(built):
+    """peft.modules_to_save=[output_layer]: the LM head trains whole beside the adapters (HF PEFT's
+    modules_to_save) and the adapter-only checkpoint carries it; the rest of the base stays frozen."""
+    head = built["saved_head"]
+    lora = 4 * 16 * ((128 + 256) + (128 + 128) + (128 + 768) + (384 + 128))
+    assert head["trainable"] == lora + head["head"]
+    assert "output_layer.weight" in head["trainable_names"]
+    assert head["state_keys"] == head["trainable_names"]
+    assert [k for k in head["state_keys"] if not k.endswith(("lora_a", "lora_b"))] == ["output_layer.weight"]
