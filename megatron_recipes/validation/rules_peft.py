@@ -199,15 +199,13 @@ SAVABLE_MODULES = ("output_layer",)
     "peft.modules_to_save",
     ["peft.modules_to_save", "peft.method", "model.tie_embeddings"],
     "peft.modules_to_save names base modules an adapter run can train whole (output_layer, untied from the embedding)",
-    "use peft.modules_to_save=[output_layer] with an adapter method and model.tie_embeddings=false, or leave it empty",
+    "use peft.modules_to_save=[output_layer] with model.tie_embeddings=false, or leave it empty",
 )
 def _modules_to_save(cfg: RunConfig) -> Optional[str]:
     names = list(cfg.peft.modules_to_save)
     m = _method(cfg)
-    if not names or not m:
+    if not names or not m or m.none:  # with peft.method=none every module trains already
         return None
-    if m.none:
-        return f"peft.modules_to_save={names} with peft.method=none: every module trains already"
     unknown = [n for n in names if n not in SAVABLE_MODULES]
     if unknown:
         return f"peft.modules_to_save has unknown module name(s) {unknown}; valid names: {', '.join(SAVABLE_MODULES)}"
