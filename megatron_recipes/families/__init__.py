@@ -3,39 +3,46 @@
 Each family is one module here named after it (``llama.py`` declares ``FAMILY`` with ``name="llama"``):
 its HF config <-> ``ModelConfig`` functions, its tensor name table, and the tiny HF config the tests build
 a random model from. What the modules share is declared beside them: ``family`` (the ``Family`` record),
-``transforms`` (typed tensor transforms) and ``hf_config`` (HF config helpers); the conversion engine in
-``convert/`` reads families and is never imported by them.
+``transforms`` (typed tensor transforms), ``hf_config`` (HF config helpers) and private ``_*`` modules;
+the conversion engine in ``convert/`` reads families and is never imported by them.
 
-The list of families is explicit and lives once, in the rule table (``validation/rules_model.FAMILIES``, the
-allowed values of ``model.family``), so a recipe naming a family without a mapping fails validation
-before it trains. Adding a family: its module here, its name in that list, and a model YAML under
-``recipes/model/`` to train it (any recipe composes it with ``model=<name>``); the conversion tests
-loop over every listed family on their own.
+The list of families is this package's modules other than those shared ones (``FAMILIES``, found without
+importing them, so reading the list costs no torch import); it is the allowed values of ``model.family``
+in the rule table, so a recipe naming a family without a mapping fails validation before it trains.
+Adding a family is its module here and a model YAML under ``recipes/model/`` (plus a named recipe under
+``recipes/`` if you want one); the conversion tests loop over every family on their own.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from functools import lru_cache
-from typing import Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, Optional, Sequence
 
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.families.family import Family
-from megatron_recipes.validation.rules_model import FAMILIES
 
-__all__ = ["FAMILIES", "Family", "all_families", "by_architecture", "by_name"]
+if TYPE_CHECKING:  # imported where used: reading the list must not import torch
+    from megatron_recipes.families.family import Family
+
+SHARED = ("family", "hf_config", "transforms")  # what the family modules share; not families themselves
+FAMILIES = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in SHARED and not m.name.startswith("_")))
+
+__all__ = ["FAMILIES", "all_families", "by_architecture", "by_name"]
 
 
 @lru_cache(maxsize=None)
 def _load() -> Dict[str, Family]:
-    """Import the module of every listed family; its ``FAMILY`` must carry the module's name."""
+    """Import the module of every family; its ``FAMILY`` must carry the module's name."""
+    from megatron_recipes.families.family import Family
+
     out: Dict[str, Family] = {}
     for name in FAMILIES:
         family = getattr(importlib.import_module(f"{__name__}.{name}"), "FAMILY", None)
         if not isinstance(family, Family) or family.name != name:
             raise RecipeError(
                 f"megatron_recipes/families/{name}.py does not declare FAMILY = Family(name={name!r}, ...)",
-                fix="every name in validation/rules_model.FAMILIES needs a module of that name declaring its FAMILY",
+                fix="a family module declares its FAMILY; a shared helper module's name starts with '_'",
             )
         out[name] = family
     return out

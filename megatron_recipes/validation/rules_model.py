@@ -5,11 +5,9 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_recipes.config.schema import ACTIVATIONS, NORMALIZATIONS, POSITION_TYPES, ROPE_SCALING_TYPES, RunConfig
+from megatron_recipes.families import FAMILIES  # the mapping modules (a family without one would only fail at export)
 from megatron_recipes.validation.rules_base import choices, divisors, one_of, rule
 
-# The explicit list of model families: each name has its mapping module megatron_recipes/families/<name>.py
-# (tests/test_hostile_recipes.py checks both ways); a family without one would train and only fail at export.
-FAMILIES = ("deepseek_v3", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 SIZES = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size", "max_position_embeddings")
 OPTIONAL_SIZES = ("kv_channels", "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                   "sliding_window", "mtp_num_layers")
@@ -34,7 +32,7 @@ def _sizes_positive(cfg: RunConfig) -> Optional[str]:
 @rule(
     "model.family",
     ["model.family"],
-    "model.family names a family with a conversion mapping (megatron_recipes/families/<family>.py)",
+    "model.family names a family with a conversion mapping (a module megatron_recipes/families/<family>.py)",
     f"use one of {', '.join(FAMILIES)}",
 )
 def _family(cfg: RunConfig) -> Optional[str]:
