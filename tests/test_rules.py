@@ -84,6 +84,7 @@ CASES: Dict[str, Case] = {
     "model.sequence_within_context": (TINY, ("train.seq_length=1024",), ("train.seq_length=512",)),
     "model.option_values": (TINY, ("model.activation=relu",), ("model.activation=gelu",)),
     "model.rope_settings": (TINY, ("model.rotary_percent=1.5",), ("model.rotary_percent=0.5",)),
+    "model.rope_scaling_mcore": ("llama31_405b_pretrain", ("model.rope_scaling.low_freq_factor=2.0",), ("model.rope_scaling.factor=16.0",)),
     "vocab.padding": (TINY, ("model.make_vocab_size_divisible_by=12",), ("model.make_vocab_size_divisible_by=64",)),
     "vocab.builtin_tokenizer_fits": (TINY, ("data.builtin_vocab_size=8192",), ("data.builtin_vocab_size=2048",)),
     "mla.fields": (DSV3, ("model.kv_lora_rank=null",), ()),

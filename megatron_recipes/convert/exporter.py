@@ -93,6 +93,19 @@ def hf_config_for(cfg: RunConfig, family: families.Family, assets: Optional[Path
     return config
 
 
+def _check_format(resolved: Path, meta: Dict[str, Any]) -> None:
+    """Export streams megatron-core's layout-free tensors of a torch_dist checkpoint (layers stacked under one
+    name); a Megatron-FSDP run's fsdp_dtensor checkpoint holds its modules' own tensors, one per layer."""
+    backend = meta.get("backend", "torch_dist")
+    if backend != "torch_dist":
+        raise RecipeError(
+            f"checkpoint '{resolved}' was saved under Megatron-FSDP (format {backend}); export reads torch_dist "
+            "checkpoints only, whose tensors carry megatron-core's layout-free names",
+            fix=f"continue from its weights without Megatron-FSDP (parallel.fsdp=false checkpoint.pretrained={resolved} "
+            "checkpoint.load=none run.dir=<a new run dir>) and export a checkpoint that run saves",
+        )
+
+
 def _check_contents(reader: CheckpointReader, items: List[Item], resolved: Path) -> None:
     stored = reader.tensors()
     problems = []
@@ -125,6 +138,7 @@ def run_export(
     hf_dir = Path(hf_dir).expanduser()
     staging.check_target(hf_dir, overwrite, lambda p: (p / INDEX_NAME).exists() or (p / "config.json").exists(), "hf_dir")
     resolved, cfg, meta = checkpoint.read_run(ckpt)
+    _check_format(resolved, meta)
     checkpoint.check_same_model(meta, cfg, resolved)
     if getattr(cfg, "peft", None) is not None and cfg.peft.method != "none":
         raise RecipeError(

@@ -29,7 +29,6 @@ from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.estimate.params import ParamCount, layers_params, shard_of, stage_params
 
 GB = 1e9
-HOST_BYTES_PER_OFFLOADED_ADAM_PARAM = 16.0  # fp32 master copy + m + v + pinned grad copy
 ZERO3_UNITS_IN_FLIGHT = 2  # the layer computing and the one prefetched
 
 

@@ -43,6 +43,11 @@ def _get(hf, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+# Each RoPE scaling type mapped, with its fields beyond factor and original_max_position_embeddings
+# (the same names in HF ``rope_scaling``/``rope_parameters`` and in ``RopeScalingConfig``).
+SCALING_FIELDS = {"llama3": ("low_freq_factor", "high_freq_factor"), "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")}
+
+
 def rope_parameters(hf) -> Dict[str, Any]:
     """RoPE settings in one dict, from transformers v5 ``rope_parameters`` or v4 ``rope_theta``/``rope_scaling``."""
     params = getattr(hf, "rope_parameters", None)
@@ -60,30 +65,18 @@ def rope_from_hf(hf) -> Dict[str, Any]:
     p = rope_parameters(hf)
     out: Dict[str, Any] = {"rotary_base": float(p["rope_theta"]), "rope_scaling": None}
     kind = p["rope_type"]
-    if kind == "default":
-        pass
-    elif kind == "llama3":
+    if kind != "default":
+        if kind not in SCALING_FIELDS:
+            raise RecipeError(
+                f"HF rope_type={kind!r} has no megatron-core equivalent here",
+                fix="supported RoPE types: default, llama3 (Llama 3.1), yarn (DeepSeek-V3)",
+            )
+        defaults = RopeScalingConfig()  # for the optional fields HF may leave out
         out["rope_scaling"] = RopeScalingConfig(
-            rope_type="llama3",
+            rope_type=kind,
             factor=float(p["factor"]),
             original_max_position_embeddings=int(p["original_max_position_embeddings"]),
-            low_freq_factor=float(p.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(p.get("high_freq_factor", 4.0)),
-        )
-    elif kind == "yarn":
-        out["rope_scaling"] = RopeScalingConfig(
-            rope_type="yarn",
-            factor=float(p["factor"]),
-            original_max_position_embeddings=int(p["original_max_position_embeddings"]),
-            beta_fast=float(p.get("beta_fast", 32.0)),
-            beta_slow=float(p.get("beta_slow", 1.0)),
-            mscale=float(p.get("mscale", 1.0)),
-            mscale_all_dim=float(p.get("mscale_all_dim", 0.0)),
-        )
-    else:
-        raise RecipeError(
-            f"HF rope_type={kind!r} has no megatron-core equivalent here",
-            fix="supported RoPE types: default, llama3 (Llama 3.1), yarn (DeepSeek-V3)",
+            **{f: float(p.get(f, getattr(defaults, f))) for f in SCALING_FIELDS[kind]},
         )
     if float(_get(hf, "partial_rotary_factor", 1.0)) != 1.0:
         raise RecipeError("partial_rotary_factor != 1 is not supported", fix="convert a model with full rotary dims")
@@ -111,23 +104,10 @@ def _rope_scaling_to_hf(m: ModelConfig) -> Optional[Dict[str, Any]]:
     rs = m.rope_scaling
     if rs is None:
         return None
-    if rs.rope_type == "llama3":
-        return {
-            "rope_type": "llama3",
-            "factor": rs.factor,
-            "original_max_position_embeddings": rs.original_max_position_embeddings,
-            "low_freq_factor": rs.low_freq_factor,
-            "high_freq_factor": rs.high_freq_factor,
-        }
-    return {
-        "rope_type": "yarn",
-        "factor": rs.factor,
-        "original_max_position_embeddings": rs.original_max_position_embeddings,
-        "beta_fast": rs.beta_fast,
-        "beta_slow": rs.beta_slow,
-        "mscale": rs.mscale,
-        "mscale_all_dim": rs.mscale_all_dim,
-    }
+    if rs.rope_type not in SCALING_FIELDS:
+        raise RecipeError(f"model.rope_scaling.rope_type={rs.rope_type!r} has no HF equivalent here", fix="use llama3 or yarn")
+    fields = ("factor", "original_max_position_embeddings") + SCALING_FIELDS[rs.rope_type]
+    return {"rope_type": rs.rope_type, **{f: getattr(rs, f) for f in fields}}
 
 
 def _activation(hf) -> str:

@@ -18,7 +18,6 @@ from megatron_recipes.config.schema import RunConfig
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP4_ELEMENT_FORMAT = {"nvfp4": "e2m1"}  # recipe name -> megatron-core's TransformerConfig.fp4
-_LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def params_dtype(cfg: RunConfig) -> torch.dtype:
@@ -149,7 +148,7 @@ def _mla_fields(cfg: RunConfig) -> Dict[str, Any]:
     rs = m.rope_scaling
     if rs is None:
         out.update(rope_type="rope")
-    elif rs.rope_type == "yarn":
+    else:  # yarn: the rule model.rope_scaling_mcore (required below) allows no other type with MLA
         out.update(
             rope_type="yarn",
             rotary_scaling_factor=rs.factor,
@@ -159,27 +158,7 @@ def _mla_fields(cfg: RunConfig) -> Dict[str, Any]:
             mscale=rs.mscale,
             mscale_all_dim=rs.mscale_all_dim,
         )
-    else:
-        raise RecipeError(
-            f"model.rope_scaling.rope_type={rs.rope_type!r} is not supported with multi-latent attention",
-            fix="use rope_type=yarn (as DeepSeek-V3) or drop model.rope_scaling",
-        )
     return out
-
-
-def check_rope_scaling(cfg: RunConfig) -> None:
-    """megatron-core's llama3 scaling fixes low/high/original; other values cannot be honoured."""
-    rs = cfg.model.rope_scaling
-    if rs is None or cfg.model.multi_latent_attention:
-        return
-    if rs.rope_type != "llama3":
-        raise RecipeError(f"model.rope_scaling.rope_type={rs.rope_type!r} is only supported with MLA", fix="use llama3")
-    for key, expected in _LLAMA3_ROPE_DEFAULTS.items():
-        if getattr(rs, key) != expected:
-            raise RecipeError(
-                f"model.rope_scaling.{key}={getattr(rs, key)} differs from megatron-core's fixed llama3 value {expected}",
-                fix=f"set model.rope_scaling.{key}={expected} (megatron-core exposes only the factor)",
-            )
 
 
 def fusions_off() -> Dict[str, bool]:
@@ -197,7 +176,7 @@ def build_transformer_config(cfg: RunConfig, use_te: bool, cpu_init: bool, fusio
 
     from megatron_recipes.validation.validate import require
 
-    require(cfg, "model.option_values", "recompute.values")  # the values mapped below
+    require(cfg, "model.option_values", "recompute.values", "model.rope_scaling_mcore")  # the values mapped below
     m = cfg.model
     fields: Dict[str, Any] = dict(
         num_layers=m.num_layers,
@@ -230,7 +209,6 @@ def build_transformer_config(cfg: RunConfig, use_te: bool, cpu_init: bool, fusio
     fields.update(_moe_fields(cfg, use_te))
     fields.update(_recompute_fields(cfg))
     fields.update(_offload_fields(cfg))
-    check_rope_scaling(cfg)
     if m.multi_latent_attention:
         fields.update(_mla_fields(cfg))
         return _construct(MLATransformerConfig, fields)

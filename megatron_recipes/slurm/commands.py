@@ -28,10 +28,6 @@ class ShellExpr(str):
     """A word that refers to batch-script variables ("$RESTART_DIR/..."): double-quoted, not escaped."""
 
 
-def port_for_job(job_id: int) -> int:
-    return PORT_BASE + job_id % PORT_SPAN
-
-
 def port_shell_expr() -> str:
     return f"$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))"
 

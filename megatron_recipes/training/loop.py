@@ -285,13 +285,10 @@ class Trainer:
             "skipped_steps": window.skipped,
         }
 
-    def evaluate(self) -> float:
-        """Validation loss over the same first ``eval_iters`` global batches every time (comparable curve)."""
-        return self.evaluate_metrics()["val_loss"]
-
     def evaluate_metrics(self) -> Dict[str, Any]:
-        """``val_loss``, and for SFT data ``task_accuracy``: the share of validation answers greedy decoding
-        reproduces exactly (step.answer_counts). Not with CP, whose ranks each hold part of an answer."""
+        """``val_loss`` over the same first ``eval_iters`` global batches every time (a comparable curve), and for
+        SFT data ``task_accuracy``: the share of validation answers greedy decoding reproduces exactly
+        (step.answer_counts). Not with CP, whose ranks each hold part of an answer."""
         optim.finish_param_sync(self.model)  # deferred all-gathers (overlap_param_gather) first
         iterators = self._iterators(self.valid_ds, 0)
         loss, accuracy = step.evaluate_with_accuracy(

@@ -126,6 +126,37 @@ def _rope(cfg: RunConfig) -> Optional[str]:
     return None
 
 
+# megatron-core 0.16 scales RoPE with YaRN under multi-latent attention (MLATransformerConfig's fields) and
+# with llama3 otherwise, where RotaryEmbedding passes only the factor: these three stay at its fixed values.
+MCORE_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@rule(
+    "model.rope_scaling_mcore",
+    ["model.rope_scaling", "model.multi_latent_attention"],
+    "RoPE scaling is one megatron-core honours: yarn with multi-latent attention; llama3 otherwise, with "
+    "low_freq_factor=1, high_freq_factor=4, original_max_position_embeddings=8192 (megatron-core fixes them)",
+    "use rope_type=yarn with MLA (as DeepSeek-V3), llama3 with those fixed values otherwise (only the factor "
+    "varies), or drop model.rope_scaling",
+    model_layout=True,
+)
+def _rope_scaling_mcore(cfg: RunConfig) -> Optional[str]:
+    m = cfg.model
+    rs = m.rope_scaling
+    if rs is None or rs.rope_type not in ROPE_SCALING_TYPES or m.position_embedding_type != "rope":
+        return None  # model.rope_settings speaks
+    wanted = "yarn" if m.multi_latent_attention else "llama3"
+    if rs.rope_type != wanted:
+        attention = "with" if m.multi_latent_attention else "without"
+        return f"model.rope_scaling.rope_type={rs.rope_type!r} {attention} multi-latent attention: megatron-core scales it with {wanted} only"
+    if wanted == "llama3":
+        bad = [f"model.rope_scaling.{k}={getattr(rs, k)}" for k, v in MCORE_LLAMA3_FIXED.items() if getattr(rs, k) != v]
+        if bad:
+            fixed = ", ".join(f"{k}={v}" for k, v in MCORE_LLAMA3_FIXED.items())
+            return f"{', '.join(bad)}: megatron-core's llama3 scaling takes only the factor and fixes {fixed}"
+    return None
+
+
 @rule(
     "vocab.padding",
     ["model.make_vocab_size_divisible_by", "model.vocab_size"],
@@ -222,6 +253,7 @@ MODEL_RULES = [
     _seq_within_context,
     _model_options,
     _rope,
+    _rope_scaling_mcore,
     _vocab_padding,
     _builtin_vocab,
     _mla_fields,
