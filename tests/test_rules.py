@@ -132,6 +132,7 @@ CASES: Dict[str, Case] = {
     "recompute.values": (TINY, ("train.recompute=partial",), ("train.recompute=selective",)),
     "recompute.num_layers": (TINY, ("train.recompute=full", "train.recompute_num_layers=5"), ("train.recompute=full", "train.recompute_num_layers=4")),
     "batch.positive": (TINY, ("train.train_iters=-1",), ("train.train_iters=0",)),
+    "train.seed_run": (TINY, ("train.train_iters=0", "checkpoint.pretrained=base_ckpt"), ("train.train_iters=0",)),
     "batch.global_divisible": (TINY, ("train.global_batch_size=12",), ("train.global_batch_size=24",)),
     "optimizer.name": (TINY, ("optimizer.name=lion",), ("optimizer=sgd",)),
     "optimizer.distributed_needs_adam": (

@@ -192,11 +192,7 @@ class Trainer:
         """
         from megatron_recipes.models.builder import build_model_chunks
 
-        if peft_active(self.cfg):
-            raise RecipeError(
-                f"train.train_iters=0 writes a seed checkpoint of the base model, but peft.method={self.cfg.peft.method}",
-                fix="write the seed with the pretraining recipe (or peft=none); fine-tuning starts from its base weights",
-            )
+        # the rule train.seed_run: no PEFT and no checkpoint.pretrained here (this writes fresh weights)
         model = optim.wrap_model(self.cfg, build_model_chunks(self.cfg))
         path = self._save_checkpoint(0, 0, model, None, None)
         self._say(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_recipes.config import derived
+from megatron_recipes.config import derived, peft_methods
 from megatron_recipes.config.schema import DECAY_STYLES, OPTIMIZERS, RECOMPUTE, RECOMPUTE_METHODS, RunConfig
 from megatron_recipes.validation.rules_base import choices, divisors, layers_ok, one_of, rule, world_ok
 
@@ -21,6 +21,23 @@ def _batch_positive(cfg: RunConfig) -> Optional[str]:
     if t.train_iters < 0:
         bad.append(f"train.train_iters={t.train_iters} must be >= 0")
     return ", ".join(bad) if bad else None
+
+
+@rule(
+    "train.seed_run",
+    ["train.train_iters", "checkpoint.pretrained", "peft.method"],
+    "train.train_iters=0 writes a seed checkpoint of fresh step-0 base weights: no checkpoint.pretrained (it would "
+    "not be loaded) and peft.method=none",
+    "for a seed checkpoint set checkpoint.pretrained=null and peft=none; to start from pretrained weights, train "
+    "train.train_iters >= 1 steps",
+)
+def _seed_run(cfg: RunConfig) -> Optional[str]:
+    if cfg.train.train_iters != 0:
+        return None
+    bad = [f"checkpoint.pretrained={cfg.checkpoint.pretrained} would not be loaded"] if cfg.checkpoint.pretrained else []
+    if peft_methods.why_not(cfg.peft.method) is None and not peft_methods.parse(cfg.peft.method).none:
+        bad.append(f"peft.method={cfg.peft.method} has no adapters to seed")
+    return "train.train_iters=0 writes fresh step-0 base weights: " + "; ".join(bad) if bad else None
 
 
 @rule(
@@ -182,6 +199,7 @@ def _overlap(cfg: RunConfig) -> Optional[str]:
 
 TRAIN_RULES = [
     _batch_positive,
+    _seed_run,
     _gbs_divisible,
     _recompute_values,
     _recompute_layers,
