@@ -12,7 +12,7 @@ from data_support import one_rank_group, small_builtin, small_cfg
 
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.data.batches import micro_batches
-from megatron_recipes.data.indexed import atomic_indexed_builder, check_indexed_prefix
+from megatron_recipes.data.indexed import check_indexed_prefix
 from megatron_recipes.data.pretrain import build_pretrain_datasets, dataset_sizes
 from megatron_recipes.data.tokenizer import load_tokenizer
 
@@ -28,16 +28,17 @@ def env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_prefixes(env, tmp_path_factory):
     """Split the built-in corpus into two indexed datasets: even and odd documents."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
     _, data = env
     out = tmp_path_factory.mktemp("blend")
     src = IndexedDataset(data.prefix)
     prefixes = [str(out / "even"), str(out / "odd")]
     for parity, prefix in enumerate(prefixes):
-        with atomic_indexed_builder(prefix, src.index.dtype) as builder:
-            for i in range(parity, len(src), 2):
-                builder.add_document(src[i], [len(src[i])])
+        builder = IndexedDatasetBuilder(prefix + ".bin", dtype=src.index.dtype)
+        for i in range(parity, len(src), 2):
+            builder.add_document(src[i], [len(src[i])])
+        builder.finalize(prefix + ".idx")
     return prefixes
 
 

@@ -2,19 +2,17 @@
 
 megatron-core reads these files with ``assert`` and raw ``memmap``; a truncated file then fails deep
 inside a data worker, or silently reads garbage. We check the header and every size against the
-``.idx`` first and name the file and the fix. Writers go through megatron-core's
-``IndexedDatasetBuilder`` into temporary names that are renamed into place only when both files are
-complete, so an interrupted run never leaves a pair that looks usable.
+``.idx`` first and name the file and the fix. (Writers: ``idx_writer`` for `data preprocess`, and the
+built-in corpus, which is built in a temporary folder renamed into place when complete.)
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Type
+from typing import Type
 
 import numpy as np
 
@@ -120,36 +118,3 @@ def token_dtype(vocab_size: int, requested: str = "auto") -> Type[np.number]:
     from megatron_recipes.data.idx_writer import token_dtype as _token_dtype
 
     return _token_dtype(vocab_size, requested)
-
-
-@contextlib.contextmanager
-def atomic_indexed_builder(prefix: str, dtype: Type[np.number]) -> Iterator[object]:
-    """Yield a megatron-core ``IndexedDatasetBuilder`` writing to temporary names; publish on success.
-
-    The old ``.idx`` (if any) is removed before the new ``.bin`` is renamed in, and the new ``.idx``
-    comes last: at no moment does a mismatched or partial pair exist under the final names.
-    """
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    out = Path(prefix).parent
-    out.mkdir(parents=True, exist_ok=True)
-    tag = f".tmp-{os.getpid()}"
-    tmp_bin, tmp_idx = prefix + ".bin" + tag, prefix + ".idx" + tag
-    builder: Optional[IndexedDatasetBuilder] = None
-    try:
-        builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
-        yield builder
-        builder.finalize(tmp_idx)
-        for path in (tmp_bin, tmp_idx):
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(prefix + ".idx")
-        os.replace(tmp_bin, prefix + ".bin")
-        os.replace(tmp_idx, prefix + ".idx")
-    finally:
-        if builder is not None and not builder.data_file.closed:
-            builder.data_file.close()
-        for path in (tmp_bin, tmp_idx):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
