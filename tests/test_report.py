@@ -94,6 +94,34 @@ def test_report_of_a_folder_that_is_not_a_run(tmp_path, capsys):
     assert "is not a run directory" in capsys.readouterr().err
 
 
+_NO_PICTURE = """
+import sys
+from pathlib import Path
+from megatron_recipes.config.compose import compose_recipe, to_yaml
+from megatron_recipes.report import build_report
+run = Path(sys.argv[1])
+run.mkdir()
+(run / "config.yaml").write_text(to_yaml(compose_recipe("tiny_llama_cpu", [f"run.dir={run}"])))
+page = build_report(run, picture=False).read_text()
+print("matplotlib imported:", "matplotlib" in sys.modules)
+print("png:", "data:image/png;base64," in page, "note:", "no picture: logging.plot=false" in page)
+page = build_report(run).read_text()
+print("then png:", "data:image/png;base64," in page)
+"""
+
+
+def test_report_without_picture_imports_no_matplotlib(tmp_path):
+    """The trainer's report of a ``logging.plot=false`` run skips the layout picture and matplotlib's
+    start-up (about a second per run); ``report`` (the default) still draws it."""
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _NO_PICTURE, str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "matplotlib imported: False" in proc.stdout
+    assert "png: False note: True" in proc.stdout and "then png: True" in proc.stdout
+
+
 def test_charts_draw_points_and_say_when_empty():
     assert 'data-n="3"' in line_chart("loss", [("train", [(1, 3.0), (2, 2.0), (3, 1.0)])], "nats")
     empty = line_chart("loss", [("train", [])], "nats")

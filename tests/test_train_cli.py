@@ -61,6 +61,8 @@ def test_torchrun_module_entry(tmp_path, cache):
     proc = subprocess.run(launcher + args[3:], capture_output=True, text=True, env=ts._env(), cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [r["step"] for r in ts.step_records(run_dir / "log.jsonl")] == [1, 2]
+    page = (run_dir / "report.html").read_text()  # logging.plot=false: the report, without the layout picture
+    assert "no picture: logging.plot=false" in page and "data:image/png" not in page
 
 
 def test_wrong_number_of_ranks_is_a_clear_error(tmp_path, cache):

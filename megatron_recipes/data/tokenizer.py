@@ -22,24 +22,40 @@ _EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_i
 
 
 class RecipeTokenizer(MegatronTokenizerBase):
-    """An HF fast tokenizer seen through megatron-core's tokenizer interface."""
+    """An HF fast tokenizer seen through megatron-core's tokenizer interface.
 
-    def __init__(self, hf, source: str) -> None:
+    What a pretraining rank reads (``eod``, ``pad``, ``vocab_size``, ``unique_identifiers``) can come
+    straight from ``tokenizer.json`` (``load_tokenizer_dir``'s Rust path); the transformers tokenizer
+    (``.hf``: encoding, decoding, chat templates) is then loaded on first use only.
+    """
+
+    def __init__(self, source: str, backend_json: str, eod: int, pad: Optional[int], vocab_size: int, hf=None) -> None:
         super().__init__(source, {})
-        self.hf = hf
+        self._hf = hf
         self.source = source
-        self._eod = _find_eod(hf, source)
-        pad = hf.pad_token_id
+        self._eod = eod
         self._pad = pad if pad is not None and pad != self._eod else None
-        digest = hashlib.sha256(hf.backend_tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
+        self._vocab_size = vocab_size
+        digest = hashlib.sha256(backend_json.encode("utf-8")).hexdigest()[:16]
         # Enters megatron-core's dataset cache key: content, not path, so a moved tokenizer still hits.
         self.unique_identifiers = OrderedDict(
             [("class", "RecipeTokenizer"), ("tokenizer_sha", digest), ("vocab_size", self.vocab_size)]
         )
 
+    @classmethod
+    def from_hf(cls, hf, source: str) -> "RecipeTokenizer":
+        return cls(source, hf.backend_tokenizer.to_str(), _find_eod(hf, source), hf.pad_token_id, len(hf), hf)
+
     @property
-    def vocab_size(self) -> int:  # includes added special tokens
-        return len(self.hf)
+    def hf(self):
+        """The transformers tokenizer (loaded now if the Rust path built this object)."""
+        if self._hf is None:
+            self._hf = _load_with_transformers(Path(self.source), self.source)
+        return self._hf
+
+    @property
+    def vocab_size(self) -> int:  # includes added special tokens, as len(AutoTokenizer)
+        return self._vocab_size
 
     @property
     def eod(self) -> int:
@@ -84,13 +100,49 @@ def _find_eod(hf, source: str) -> int:
 
 
 def load_tokenizer_dir(path: str | Path) -> RecipeTokenizer:
-    """A local HF tokenizer directory (tokenizer.json + tokenizer_config.json). No downloads."""
+    """A local HF tokenizer directory (tokenizer.json + tokenizer_config.json). No downloads.
+
+    A plain fast tokenizer is read with the Rust ``tokenizers`` library alone (transformers' import and
+    ``AutoTokenizer`` cost about 1.5 s of CPU in every rank); folders whose config makes transformers
+    build something else, and every folder the Rust path cannot read, go through transformers."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise RecipeError(
             f"tokenizer directory '{path}' does not exist",
             fix="give a local folder saved with tokenizer.save_pretrained(), or tokenizer=builtin",
         )
+    fast = _from_tokenizer_json(folder)
+    if fast is not None:
+        return fast
+    return RecipeTokenizer.from_hf(_load_with_transformers(folder, path), str(folder))
+
+
+def _from_tokenizer_json(folder: Path) -> Optional[RecipeTokenizer]:
+    """The Rust path: only where ``fast_tokenizer`` finds transformers would build the very same backend
+    from ``tokenizer.json`` and every special token comes from ``tokenizer_config.json``; else None."""
+    from megatron_recipes.data import fast_tokenizer
+
+    if (folder / "special_tokens_map.json").exists():  # transformers reads special tokens from it too
+        return None
+    try:
+        import json
+
+        from tokenizers import Tokenizer
+
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        if not isinstance(config, dict) or fast_tokenizer._needs_transformers(backend, config) is not None:
+            return None
+        eod = fast_tokenizer._find_eod(backend, config, str(folder))
+    except Exception:  # unreadable or unusual: transformers loads it, or gives its clear error
+        return None
+    pad_token = fast_tokenizer._content(config.get("pad_token"))
+    pad = backend.token_to_id(pad_token) if pad_token is not None else None
+    vocab_size = backend.get_vocab_size(with_added_tokens=True)
+    return RecipeTokenizer(str(folder), backend.to_str(), eod, pad, vocab_size)
+
+
+def _load_with_transformers(folder: Path, path) -> object:
     from transformers import AutoTokenizer
 
     try:
@@ -107,7 +159,7 @@ def load_tokenizer_dir(path: str | Path) -> RecipeTokenizer:
             f"tokenizer '{path}' has no fast (Rust) implementation",
             fix="convert it once with transformers and save_pretrained() so that tokenizer.json exists",
         )
-    return RecipeTokenizer(hf, str(folder))
+    return hf
 
 
 def tokenizer_source(tokenizer: str, cfg: Optional[RunConfig] = None) -> RecipeTokenizer:

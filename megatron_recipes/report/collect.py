@@ -34,6 +34,7 @@ class RunData:
     plan: Optional[Dict[str, Any]] = None
     plan_error: Optional[str] = None
     picture_png: Optional[bytes] = None
+    picture_note: Optional[str] = None  # why no picture was drawn though the plan was built
 
     def series(self, key: str) -> List[tuple]:
         return [(r["step"], float(r["data"][key])) for r in self.records
@@ -60,15 +61,20 @@ def _checkpoints(root: Path) -> List[Checkpoint]:
     return sorted(out, key=lambda c: c.step)
 
 
-def _plan(run: RunData) -> None:
-    """The planner's view of the recipe the run used: layout, groups, memory estimate, and its picture."""
+def _plan(run: RunData, picture: bool) -> None:
+    """The planner's view of the recipe the run used: layout, groups, memory estimate, and its picture
+    (drawn with matplotlib, a second of start-up: only when ``picture``)."""
     import tempfile
 
-    from megatron_recipes.plan.picture import draw_layout
     from megatron_recipes.plan.summary import build_plan
 
     try:
         run.plan = build_plan(run.cfg, run.cfg.run.name)
+        if not picture:
+            run.picture_note = f"logging.plot=false; `megatron-recipes report {run.run_dir}` draws it"
+            return
+        from megatron_recipes.plan.picture import draw_layout
+
         with tempfile.TemporaryDirectory() as tmp:
             png = Path(tmp) / "layout.png"
             draw_layout(run.cfg, str(png), title=run.cfg.run.name)
@@ -77,7 +83,7 @@ def _plan(run: RunData) -> None:
         run.plan_error = f"{type(exc).__name__}: {exc}"
 
 
-def collect(run_dir: Path) -> RunData:
+def collect(run_dir: Path, picture: bool = True) -> RunData:
     from megatron_recipes.config.compose import from_yaml
 
     run_dir = Path(run_dir).expanduser().resolve()
@@ -104,7 +110,7 @@ def collect(run_dir: Path) -> RunData:
     run = RunData(run_dir, config_text, cfg, config_error, records, starts, read_marker(run_dir))
     run.checkpoints = _checkpoints(run_dir / "checkpoints")
     if cfg is not None:
-        _plan(run)
+        _plan(run, picture)
     return run
 
 

@@ -136,7 +136,7 @@ def plan(run: RunData) -> str:
 
 def layout(run: RunData) -> str:
     if run.picture_png is None:
-        return f'<p class="note">no picture: {escape(run.plan_error or "config.yaml is missing")}</p>'
+        return f'<p class="note">no picture: {escape(run.plan_error or run.picture_note or "config.yaml is missing")}</p>'
     data = base64.b64encode(run.picture_png).decode("ascii")
     ranks = run.plan["ranks"] if run.plan else []
     kinds = [k for k in ("tp", "pp", "dp", "cp", "ep") if ranks and k in ranks[0]]

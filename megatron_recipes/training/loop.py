@@ -394,7 +394,8 @@ class Trainer:
             sinks.plot_losses(
                 self.run_dir / sinks.LOG_NAME, self.run_dir / sinks.PLOT_NAME, title=self.cfg.run.name, baseline=self.entropy
             )
-        report = write_report_after_run(self.run_dir)  # report.html; a failure warns, never fails the run
+        # report.html (a failure warns, never fails the run); its layout picture only where plots are wanted
+        report = write_report_after_run(self.run_dir, picture=self.cfg.logging.plot)
         self.sink.close(self.run_dir / sinks.PLOT_NAME, report, finished=True)
         records = sinks.step_records(self.run_dir / sinks.LOG_NAME)
         losses = [r["data"]["loss"] for r in records if isinstance(r["data"].get("loss"), (int, float))]
