@@ -2,8 +2,14 @@
 
 Why: multi-rank tests must exercise real process groups (megatron-core collectives, checkpoint writers
 that fork), and a failing or hung rank must fail the test with that rank's traceback instead of hanging
-CI. Each rank is a fresh ``spawn`` process with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set,
-one intra-op thread (CI machines have few cores), and its process group torn down at exit.
+CI. Each rank is a fresh process with the test process's environment as it is at the call (plus ``env``
+and RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT), one intra-op thread (CI machines have few
+cores), and its process group torn down at exit.
+
+Ranks are forked from one ``forkserver`` per test session that has already imported torch, megatron-core
+and the training stack (``rank_preload``, after ``patches.apply("process")`` as the entry points do):
+a fresh interpreter per rank paid those imports (~5 s of CPU) ~200 times per suite. Nothing else is
+shared: each rank is still its own process, started from the same clean, just-imported state.
 
     results = run_ranks(my_rank_fn, 2, arg1, arg2)   # [rank0_result, rank1_result]
 
@@ -29,12 +35,48 @@ class RankFailed(AssertionError):
     """A rank raised, died, or did not finish in time."""
 
 
-def _rank_entry(fn, rank: int, world: int, port: int, env: Dict[str, str], args: tuple, results) -> None:
+_PRELOAD = ["rank_preload"]  # tests/rank_preload.py (this folder is on sys.path, as for spawn)
+
+
+def _context():
+    """The session's forkserver context (the server starts at the first rank and serves every later one)."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    # Python 3.11's server ignores the sys.path it is handed: it finds rank_preload through PYTHONPATH,
+    # set for its start only (the ranks get the caller's environment and sys.path, as under spawn).
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), *([saved] if saved else [])])
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = saved
+    return ctx
+
+
+def _reseed_numpy() -> None:
+    import sys
+
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+
+def _rank_entry(
+    fn, rank: int, world: int, port: int, caller_env: Dict[str, str], env: Dict[str, str], args: tuple, results
+) -> None:
+    os.environ.clear()  # the forkserver's environment is the one of its start: take the caller's, now
+    os.environ.update(caller_env)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     os.environ.update(env)
     torch.set_num_threads(1)
+    torch.seed()  # a fresh interpreter's generators are seeded from OS entropy; forked ones share the server's
+    _reseed_numpy()
     try:
         from megatron_recipes.runtime import patches
 
@@ -58,12 +100,12 @@ def run_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0, env: Optional[Dict[str, str]] = None
 ) -> List[Any]:
     """``fn(*args)`` on ``world_size`` ranks; per-rank return values, or RankFailed naming the rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [
         # Not daemonic: megatron-core's checkpoint writer forks worker processes from each rank.
-        ctx.Process(target=_rank_entry, args=(fn, rank, world_size, port, dict(env or {}), args, results))
+        ctx.Process(target=_rank_entry, args=(fn, rank, world_size, port, dict(os.environ), dict(env or {}), args, results))
         for rank in range(world_size)
     ]
     for proc in procs:

@@ -1,71 +1,20 @@
-"""Shared helpers for the PEFT tests: real gloo ranks in spawned processes, tiny recipes, fixed batches."""
+"""Shared helpers for the PEFT tests: real gloo ranks (``multiproc.run_ranks``), tiny recipes, fixed batches."""
 
 from __future__ import annotations
 
-import io
-import os
-import queue as queue_mod
-import socket
-import traceback
 from typing import Any, Callable, Dict, List
 
 import torch
-import torch.multiprocessing as mp
 
 SEQ = 32
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
-    try:
-        result = fn(*args)
-        buffer = io.BytesIO()  # tensors by value: shared-memory handles die with this process
-        torch.save(result, buffer)
-        out.put((rank, "ok", buffer.getvalue()))
-    except BaseException:  # the parent re-raises it with the child's traceback
-        out.put((rank, "error", traceback.format_exc()))
-    finally:
-        from megatron_recipes.runtime.distributed import shutdown
-
-        try:
-            shutdown()
-        except Exception:
-            pass
-
-
 def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 600.0) -> List[Any]:
-    """Run ``fn(*args)`` on ``world`` gloo ranks; return each rank's result (rank order)."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: Dict[int, Any] = {}
-    try:
-        while len(results) < world:
-            try:
-                rank, status, value = out.get(timeout=timeout)
-            except queue_mod.Empty:
-                raise AssertionError(f"ranks {sorted(set(range(world)) - set(results))} produced nothing in {timeout}s")
-            if status != "ok":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]
+    """Run ``fn(*args)`` on ``world`` gloo ranks; return each rank's result (rank order): ``multiproc.run_ranks``
+    (this argument order is the PEFT tests')."""
+    from multiproc import run_ranks as run
+
+    return run(fn, world, *args, timeout=timeout)
 
 
 # The tiny setting these tests share (sharding_support reuses it with larger global batches).
