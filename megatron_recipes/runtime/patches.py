@@ -11,6 +11,7 @@ applied where it begins, explicitly:
 * ``cpu_lane``: ``runtime/cpu_lane.activate`` (no CUDA);
 * ``local_mla``: building an MLA model on the local (non-TE) spec (``models/local_mla.py``);
 * ``optimizer``: ``training/optim.build_optimizer``, with the optimizer (some rows fix that object);
+* ``fsdp``: ``training/optim.wrap_model``, before Megatron-FSDP wraps a model (GPU and CPU alike);
 * ``save``: around each synchronous checkpoint save (``checkpoint._mcore.save``), undone afterwards.
 """
 
@@ -25,7 +26,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-SCOPES = ("process", "cpu_lane", "local_mla", "optimizer", "save")
+SCOPES = ("process", "cpu_lane", "local_mla", "optimizer", "fsdp", "save")
 
 
 @dataclass(frozen=True)
@@ -304,6 +305,48 @@ def _sgd_has_no_init_state_fn() -> bool:
     return "init_state_fn = None" in source
 
 
+# --- fsdp: Megatron-FSDP's gradient reduction over a single rank ---------------------------------
+
+_SINGLE_RANK = "_megatron_recipes_single_rank_sum"
+
+
+def _single_rank_grad_reduce_is_a_no_op() -> None:
+    """A gradient buffer whose data-parallel group is one rank (DP=1) is not sharded, so the bucket the
+    reduction reads *is* that buffer; megatron-core 0.16 still reduces it into a fresh tensor and adds that
+    back (``local_grad += reduced_grad``): every reduction doubles the accumulated gradients (x2 with one
+    micro-batch, buf = 2 * (buf + g) per micro-batch under zero2/zero3). A sum over one rank is the buffer
+    itself, so for such buckets this only does the bookkeeping the reduction would (nothing scaled: per-token
+    loss or a factor of 1). Everything else (DP > 1, outer-DP reduction, other factors) is megatron-core's."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+
+    original = pgb.GradReducePipeline._bucket_group_gradient_reduce
+    if getattr(original, _SINGLE_RANK, False):
+        return
+
+    def bucket_group_gradient_reduce(self, bucket_group, async_op=False, outer_fsdp_group_grad_reduce=False):
+        buffers = [self.get_fsdp_buffer(b) for b in bucket_group]
+        if outer_fsdp_group_grad_reduce or any(
+            b.is_data_distributed or b.data_parallel_group.size() != 1 or b.gradient_scaling_factor not in (None, 1.0)
+            for b in buffers
+        ):
+            return original(self, bucket_group, async_op=async_op, outer_fsdp_group_grad_reduce=outer_fsdp_group_grad_reduce)
+        for bucket_id in bucket_group:  # what megatron-core's free-up step does for an unsharded buffer
+            self.bucket_grad_ready_params[bucket_id] = set()
+            self.bucket_status[bucket_id] = pgb.BucketStatus.EMPTY
+        return True
+
+    setattr(bucket_group_gradient_reduce, _SINGLE_RANK, True)
+    pgb.GradReducePipeline._bucket_group_gradient_reduce = bucket_group_gradient_reduce
+
+
+def _single_rank_grad_reduce_adds_twice() -> bool:
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+
+    method = pgb.GradReducePipeline._bucket_group_gradient_reduce
+    source = inspect.getsource(method)
+    return not getattr(method, _SINGLE_RANK, False) and "local_grad += reduced_grad" in source and "size() == 1" not in source
+
+
 # --- save: the checkpoint writer's results queue -------------------------------------------------
 
 
@@ -373,6 +416,11 @@ PATCHES: List[Patch] = [
     Patch("sgd-init-state-fn", "optimizer", "init_state_fn of megatron-core's SGD (the optimizer built)", ("0.16", None),
           "get_megatron_optimizer leaves SGD's init_state_fn None, which loading calls: an SGD run cannot resume",
           "tests/test_checkpoint_sgd.py", _sgd_state_for_loading, _sgd_has_no_init_state_fn, True),
+    Patch("fsdp-single-rank-grad-reduce", "fsdp",
+          "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer:GradReducePipeline._bucket_group_gradient_reduce",
+          ("0.16", None), "with a one-rank data-parallel group (DP=1) the unsharded grad buffer is reduced into a copy "
+          "that is then added back onto it: gradients x2 per reduction (x2, x3, x7.5 at 1, 2, 4 micro-batches), silently",
+          "tests/test_fsdp_single_rank.py", _single_rank_grad_reduce_is_a_no_op, _single_rank_grad_reduce_adds_twice),
     Patch("in-process-write-results", "save", "megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",
           ("0.16", None), "the writer's results queue is a spawn Manager, whose child re-imports the entry script "
           "(an unguarded one trains again and hangs the save); a synchronous save needs no Manager",
