@@ -46,7 +46,7 @@ def test_every_patch_is_still_needed():
 def test_every_module_patch_fixes_its_defect():
     code = (
         "import json; from megatron_recipes.runtime import patches\n"
-        "for scope in ('process', 'cpu_lane', 'local_mla', 'optimizer'): patches.apply(scope)\n"
+        "for scope in ('process', 'cpu_lane', 'local_mla', 'optimizer', 'fsdp'): patches.apply(scope)\n"
         "with patches.applied('save'): found = patches.defects()\n"
         "print(json.dumps(found))"
     )

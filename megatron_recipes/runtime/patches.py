@@ -11,6 +11,7 @@ applied where it begins, explicitly:
 * ``cpu_lane``: ``runtime/cpu_lane.activate`` (no CUDA);
 * ``local_mla``: building an MLA model on the local (non-TE) spec (``models/local_mla.py``);
 * ``optimizer``: ``training/optim.build_optimizer``, with the optimizer (some rows fix that object);
+* ``fsdp``: ``training/optim.wrap_model``, before Megatron-FSDP wraps a model (GPU and CPU alike);
 * ``save``: around each synchronous checkpoint save (``checkpoint._mcore.save``), undone afterwards.
 """
 
@@ -25,7 +26,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-SCOPES = ("process", "cpu_lane", "local_mla", "optimizer", "save")
+SCOPES = ("process", "cpu_lane", "local_mla", "optimizer", "fsdp", "save")
 
 
 @dataclass(frozen=True)
@@ -304,6 +305,66 @@ def _sgd_has_no_init_state_fn() -> bool:
     return "init_state_fn = None" in source
 
 
+# --- fsdp: Megatron-FSDP's reduction of an unsharded gradient buffer -----------------------------
+
+_UNSHARDED = "_megatron_recipes_unsharded_grad_reduce"
+
+
+def _reduce_unsharded_grads_once() -> None:
+    """Megatron-FSDP's hook-driven reduction of an *unsharded* gradient buffer (zero1 at any DP size; every
+    mode at DP=1, where nothing is sharded) reads the bucket that *is* that buffer, reduces it into a fresh
+    tensor and adds the result back (``local_grad += reduced_grad``, meant for a sharded buffer's separate
+    bucket): each reduction doubles the accumulated gradients at DP=1 (x2 with one micro-batch; under zero2/zero3,
+    which reduce every micro-batch, buf = 2 * (buf + g)), and at DP>1 zero1 gets its own gradient plus the sum
+    (and, with ``overlap_grad_reduce=False``, a second reduction in ``finish_grad_sync``: x2). For unsharded buffers
+    this makes the reduction happen once per step and replace this rank's shard:
+
+    * one-rank group: a sum over one rank is the buffer itself: bookkeeping only;
+    * ``overlap_grad_reduce=False``: ``finish_grad_sync`` reduce-scatters the buffer in place: bookkeeping only;
+    * otherwise: reduce-scatter into a fresh tensor (synchronously) and copy it into this rank's shard.
+
+    Sharded buffers, outer-DP (HSDP) reduction and one-rank groups with a scaling factor other than 1 (not
+    per-token loss) stay megatron-core's."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+
+    original = pgb.GradReducePipeline._bucket_group_gradient_reduce
+    if getattr(original, _UNSHARDED, False):
+        return
+
+    def bucket_group_gradient_reduce(self, bucket_group, async_op=False, outer_fsdp_group_grad_reduce=False):
+        buffers = [self.get_fsdp_buffer(b) for b in bucket_group]
+        one_rank = all(b.data_parallel_group.size() == 1 for b in buffers)
+        if (
+            outer_fsdp_group_grad_reduce
+            or any(b.is_data_distributed for b in buffers)
+            or (one_rank and any(b.gradient_scaling_factor not in (None, 1.0) for b in buffers))
+        ):
+            return original(self, bucket_group, async_op=async_op, outer_fsdp_group_grad_reduce=outer_fsdp_group_grad_reduce)
+        if not one_rank and self.buffer.ddp_config.overlap_grad_reduce:
+            for gbuf in buffers:
+                bucket = gbuf.fetch_bucket()  # a view of the whole unsharded buffer
+                op = pgb.gradient_reduce_preprocessing(bucket.data, gbuf.gradient_scaling_factor, gbuf.ddp_config)
+                reduced = torch.empty_like(gbuf.get_shard_from_bucket(bucket))
+                torch.distributed.reduce_scatter_tensor(reduced, bucket.data, op=op, group=gbuf.data_parallel_group)
+                gbuf.get_shard_from_local_buffer().copy_(reduced)
+        for bucket_id in bucket_group:  # what megatron-core's free-up step does for an unsharded buffer
+            self.bucket_grad_ready_params[bucket_id] = set()
+            self.bucket_status[bucket_id] = pgb.BucketStatus.EMPTY
+        return True
+
+    setattr(bucket_group_gradient_reduce, _UNSHARDED, True)
+    pgb.GradReducePipeline._bucket_group_gradient_reduce = bucket_group_gradient_reduce
+
+
+def _unsharded_grad_reduce_adds_back() -> bool:
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+
+    method = pgb.GradReducePipeline._bucket_group_gradient_reduce
+    source = inspect.getsource(method)
+    # 0.16's accumulation line, run for sharded and unsharded buffers alike
+    return not getattr(method, _UNSHARDED, False) and "local_grad += reduced_grad" in source
+
+
 # --- save: the checkpoint writer's results queue -------------------------------------------------
 
 
@@ -373,6 +434,12 @@ PATCHES: List[Patch] = [
     Patch("sgd-init-state-fn", "optimizer", "init_state_fn of megatron-core's SGD (the optimizer built)", ("0.16", None),
           "get_megatron_optimizer leaves SGD's init_state_fn None, which loading calls: an SGD run cannot resume",
           "tests/test_checkpoint_sgd.py", _sgd_state_for_loading, _sgd_has_no_init_state_fn, True),
+    Patch("fsdp-unsharded-grad-reduce", "fsdp",
+          "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer:GradReducePipeline._bucket_group_gradient_reduce",
+          ("0.16", None), "an unsharded grad buffer (zero1; any mode at DP=1) is reduced into a copy that is added back "
+          "onto it, and zero1 without overlap_grad_reduce reduces again: gradients x2 per reduction at DP=1 (x2, x3, x7.5 "
+          "at 1, 2, 4 micro-batches under zero3), x2 under zero1 at DP=2, silently", "tests/test_fsdp_gradients.py",
+          _reduce_unsharded_grads_once, _unsharded_grad_reduce_adds_back),
     Patch("in-process-write-results", "save", "megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",
           ("0.16", None), "the writer's results queue is a spawn Manager, whose child re-imports the entry script "
           "(an unguarded one trains again and hangs the save); a synchronous save needs no Manager",

@@ -71,6 +71,8 @@ def wrap_model(cfg: RunConfig, chunks: List[torch.nn.Module]) -> List[torch.nn.M
     wrapper = DistributedDataParallel
     if ddp.use_megatron_fsdp:
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel as wrapper
+
+        patches.apply("fsdp")  # its reduction of unsharded grad buffers (runtime/patches.py)
     # As Megatron-LM: only the first chunk buckets its grads; later VPP chunks' reduction overlaps with
     # the remaining compute anyway.
     return [

@@ -97,8 +97,8 @@ def _instances(cfg: RunConfig) -> Optional[str]:
 @rule(
     "fsdp.no_hybrid_instances",
     ["parallel.fsdp", "parallel.dist_optimizer_instances"],
-    "Megatron-FSDP with dist_optimizer_instances > 1 (HSDP) is refused: on the CPU lane it trained differently "
-    "from one rank, without an error, once ranks accumulated two micro-batches (tests/test_sharding_equivalence.py)",
+    "Megatron-FSDP with dist_optimizer_instances > 1 (HSDP) is refused: with megatron-core 0.16 its gradients "
+    "come out twice the one-rank run's, without an error (tests/test_sharding_equivalence.py)",
     "set parallel.dist_optimizer_instances=1 with parallel.fsdp=true, or parallel.fsdp=false for hybrid sharding",
 )
 def _fsdp_hsdp(cfg: RunConfig) -> Optional[str]:
