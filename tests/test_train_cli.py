@@ -91,3 +91,43 @@ def test_bad_input_fails_with_a_message_and_no_outputs(tmp_path, cache, override
     assert message in run.output, run.output[-3000:]
     assert "Traceback" not in run.output
     assert not (run_dir / "log.jsonl").exists() and not (run_dir / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("launched", [False, True])
+def test_one_composition_and_one_validation_per_process(tmp_path, cache, monkeypatch, launched):
+    """Composing a recipe costs seconds of CPU: the entry composes once and validates once per process,
+    started by hand (one rank) or by a launcher, and the trainer gets that very config."""
+    from megatron_recipes.config import compose
+    from megatron_recipes.training import cli, loop
+
+    calls = {"compose": 0, "validate": 0}
+    real_compose, real_validate = compose.compose_recipe, loop.validate
+
+    def counted_compose(*a, **k):
+        calls["compose"] += 1
+        return real_compose(*a, **k)
+
+    def counted_validate(*a, **k):
+        calls["validate"] += 1
+        return real_validate(*a, **k)
+
+    ran = []
+
+    def trainer(cfg, recipe, validated=False):  # what run() does before training, then stop
+        if not validated:
+            loop.validate(cfg, recipe)
+        ran.append(cfg)
+        return 0
+
+    monkeypatch.setattr(compose, "compose_recipe", counted_compose)
+    monkeypatch.setattr(loop, "validate", counted_validate)
+    monkeypatch.setattr(loop, "run", trainer)
+    for name in ("RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    if launched:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    args = ts.command(tmp_path / "run", cache, [*ts.FAST, "train.train_iters=0", "parallel.tp=1"], 1, "tiny_llama_cpu")
+    assert cli.main(args[3:]) == 0
+    assert calls == {"compose": 1, "validate": 1} and len(ran) == 1
+    assert ran[0].train.train_iters == 0 and ran[0].run.dir == str(tmp_path / "run")

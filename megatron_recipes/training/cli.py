@@ -65,15 +65,15 @@ def set_rank_environment(cfg, environ=os.environ) -> List[str]:
     return notes
 
 
-def run_rank(argv: Sequence[str]) -> int:
-    """Train on this process as one rank of the job."""
+def run_rank(recipe: str, cfg, validated: bool = False) -> int:
+    """Train the composed ``cfg`` on this process as one rank of the job (``validated``: this process
+    has already run ``loop.validate`` on this very ``cfg``, so the run does not repeat it)."""
     from megatron_recipes.training.loop import run
 
-    recipe, cfg = _compose(argv)
     for note in set_rank_environment(cfg):
         if os.environ.get("RANK", "0") == "0":
             print(f"environment: {note}", flush=True)
-    return run(cfg, recipe)
+    return run(cfg, recipe, validated=validated)
 
 
 def _rank_count(cfg) -> int:
@@ -123,13 +123,13 @@ def main(argv: List[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: {PROG} <recipe> [key=value ...]\n\n{__doc__}")
         return 0
+    recipe, cfg = _compose(argv)  # once per process: composition costs seconds of CPU
     if under_launcher():
-        return run_rank(argv)
-    recipe, cfg = _compose(argv)
+        return run_rank(recipe, cfg)
     from megatron_recipes.training.loop import validate
 
     validate(cfg, recipe)  # report a bad recipe once, before any rank starts
     world = derived.world_size(cfg)
     if world == 1:
-        return run_rank(argv)
+        return run_rank(recipe, cfg, validated=True)
     return spawn_local(argv, _rank_count(cfg))

@@ -425,9 +425,11 @@ class Trainer:
         self.preemption.uninstall()
 
 
-def run(cfg: RunConfig, recipe: str = "recipe") -> int:
-    """Train ``cfg`` on this rank (called once per rank, under torchrun or as a single process)."""
-    validate(cfg, recipe)
+def run(cfg: RunConfig, recipe: str = "recipe", validated: bool = False) -> int:
+    """Train ``cfg`` on this rank (called once per rank, under torchrun or as a single process);
+    ``validated``: the caller has just run ``validate`` on this ``cfg`` in this process."""
+    if not validated:
+        validate(cfg, recipe)
     runtime = distributed.init_model_parallel(cfg)
     lock = run_lock.RunLock(Path(cfg.run.dir))  # global rank 0 holds it; every rank stops if it is taken
     try:
