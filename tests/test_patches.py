@@ -63,3 +63,21 @@ def test_importing_the_package_patches_nothing():
         "print(json.dumps({'compile': torch.compile is original, 'gemm': not hasattr(mu, 'te_general_gemm')}))"
     )
     assert _run(code) == {"compile": True, "gemm": True}
+
+
+def test_wandb_is_imported_on_first_use():
+    """After the process patches, importing megatron-core leaves wandb unloaded (it costs seconds per
+    process); the first read of one of its attributes, by megatron-core or by our tracker, imports the real
+    module, which then also stands in sys.modules."""
+    pytest.importorskip("wandb")
+    code = (
+        "import json, sys; from megatron_recipes.runtime import patches; patches.apply('process')\n"
+        "import megatron.core.timers as timers, megatron.core.models.gpt\n"
+        "from megatron_recipes.training import tracking\n"
+        "before = 'wandb.sdk' in sys.modules; installed = tracking._installed('wandb')\n"
+        "import wandb; init = wandb.init\n"
+        "real = sys.modules['wandb']\n"
+        "print(json.dumps({'before': before, 'installed': installed, 'after': 'wandb.sdk' in sys.modules,\n"
+        "    'real': type(real).__name__ == 'module' and real.init is init and timers.wandb.Image is real.Image}))"
+    )
+    assert _run(code) == {"before": False, "installed": True, "after": True, "real": True}

@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import inspect
 import queue
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+
+from megatron_recipes.runtime.deferred_import import DeferredModule
 
 SCOPES = ("process", "cpu_lane", "local_mla", "optimizer", "fsdp", "save")
 
@@ -80,6 +84,36 @@ def _compile_imports_dynamo() -> bool:
     import megatron.core.models.gpt  # noqa: F401  (its fusions call torch.compile at import)
 
     return "torch._dynamo" in sys.modules
+
+
+# --- process: wandb imported on first use ------------------------------------------------------
+
+
+_DEFERRED = ("wandb",)
+
+
+def _defer_wandb_import() -> None:
+    """megatron-core imports ``wandb`` at import time where installed (``timers``, the inference context),
+    ~1 s of CPU per process, though only a run with ``logging.wandb_project`` uses it. The module is
+    imported on first use instead, by megatron-core or by our tracker (which then gets the real one)."""
+    for name in _DEFERRED:
+        if name in sys.modules:
+            continue
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None:  # not installed: megatron-core's own ``except ImportError`` still sees that
+            sys.modules[name] = DeferredModule(spec)
+
+
+def _mcore_import_loads_wandb() -> bool:
+    """Importing the megatron-core modules every run imports leaves wandb's package code loaded."""
+    import megatron.core.inference.contexts.dynamic_context  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.timers  # noqa: F401
+
+    return "wandb.sdk" in sys.modules
 
 
 # --- cpu_lane: megatron-core's CUDA-only corners ------------------------------------------------
@@ -403,6 +437,10 @@ PATCHES: List[Patch] = [
           "megatron-core's fusions call torch.compile at import, importing TorchDynamo/Inductor (~3 s) in "
           "every process, also where no fused kernel runs", "tests/test_cpu_lane.py::test_announces_itself_once_and_compile_stays_lazy",
           _defer_torch_compile, _compile_imports_dynamo),
+    Patch("defer-wandb-import", "process", "sys.modules['wandb']", ("0.16", None),
+          "megatron-core imports wandb at import time where it is installed (~1 s of CPU per process), "
+          "also in runs that log nowhere but to files", "tests/test_patches.py::test_wandb_is_imported_on_first_use",
+          _defer_wandb_import, _mcore_import_loads_wandb),
     Patch("cpu-rng-state", "cpu_lane", "megatron.core.tensor_parallel.random:_get_cuda_rng_state,_set_cuda_rng_state",
           ("0.16", None), "the RNG tracker reads/writes torch.cuda.default_generators; on the lane the CUDA RNG "
           "is the CPU generator", "tests/test_cpu_lane.py", _rng_on_cpu, _rng_set_misses_the_cpu_generator,
