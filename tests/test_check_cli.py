@@ -37,7 +37,7 @@ def test_tiny_lora_tp2_is_proven(tmp_path, cache):
     assert code == 0, out
     assert "verdict: PROVEN" in out and "TP2 PP1 CP1 DP1" in out and "resumed on one rank" in out
     assert "adapter dropout 0.05 -> 0" in out  # the recipe's dropout is off in both runs, and said
-    assert "  layout: done, 4 steps" in out  # each phase's progress (a plain line off a terminal)
+    assert "  reference, layout: done, 10 steps" in out  # each phase's progress, its runs together (plain line off a terminal)
 
 
 def test_fsdp_sft_is_proven_against_the_plain_path_and_reshards_by_weights(tmp_path, cache):

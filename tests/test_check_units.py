@@ -3,6 +3,10 @@ recipe (layout and one-rank reference) passes the rule table with the recipe's d
 
 from __future__ import annotations
 
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from megatron_recipes.check import compare
@@ -191,3 +195,58 @@ def test_tolerance_grows_with_the_steps_rounding_has_had_to_add_up():
     assert not v.equal and v.first_diverging_step == 1 and "1 x 1e-05" in v.reason
     assert compare.judge([late], 1e-5).equal
     assert not compare.judge([late], 2e-6).equal
+
+
+_STAND_IN = (  # a stand-in trainer: `<recipe> [overrides] run.dir=D`; logs its start/end, a step, and exits
+    "import json, os, subprocess, sys, time\n"
+    "run_dir = sys.argv[-1].split('=', 1)[1]; os.makedirs(run_dir, exist_ok=True)\n"
+    "opts = dict(a.split('=', 1) for a in sys.argv[2:-1])\n"
+    "open(os.path.join(run_dir, 'start'), 'w').write(repr(time.time()))\n"
+    "if 'child' in opts:  # a rank of its own, which must die with it\n"
+    "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+    "    open(os.path.join(run_dir, 'child'), 'w').write(str(child.pid))\n"
+    "print('hello from', os.path.basename(run_dir), flush=True)\n"
+    "while not os.path.exists(opts['wait_for']):\n"
+    "    time.sleep(0.05)\n"
+    "with open(os.path.join(run_dir, 'log.jsonl'), 'a') as f:\n"
+    "    f.write(json.dumps({'type': 'LOG', 'step': 1, 'data': {'loss': 1.0}}) + '\\n')\n"
+    "open(os.path.join(run_dir, 'end'), 'w').write(repr(time.time()))\n"
+    "sys.exit(int(opts.get('code', 0)))\n"
+)
+
+
+def _stand_in(tmp_path):
+    script = tmp_path / "stand_in.py"
+    script.write_text(_STAND_IN)
+    return (sys.executable, str(script))
+
+
+def test_independent_runs_go_side_by_side_and_report_in_order(tmp_path):
+    """Each run waits until the other has started: run one at a time, this would time out."""
+    from megatron_recipes.check import runs
+
+    a, b = tmp_path / "reference", tmp_path / "layout"
+    jobs = [runs.Job("reference", [f"wait_for={b / 'start'}"], a, 1),
+            runs.Job("layout", [f"wait_for={a / 'start'}", "code=3"], b, 1, ranks=2)]
+    results = runs.train_together(jobs, "tiny", 120, progress=False, entry=_stand_in(tmp_path))
+    assert [(r.name, r.returncode, r.run_dir) for r in results] == [("reference", 0, a), ("layout", 3, b)]
+    assert results[0].output.startswith("$ ") and "hello from reference" in results[0].output
+    assert "hello from layout" in results[1].output and results[1].series("loss") == {1: 1.0}
+
+
+def test_a_timeout_stops_every_run_still_going_with_its_ranks(tmp_path):
+    from megatron_recipes.check import runs
+
+    done, stuck = tmp_path / "reshard", tmp_path / "reweights"
+    jobs = [runs.Job("reshard", [f"wait_for={tmp_path}"], done, 1),  # ends at once
+            runs.Job("reweights", [f"wait_for={tmp_path / 'never'}", "child=1"], stuck, 1)]
+    results = runs.train_together(jobs, "tiny", 8, progress=False, entry=_stand_in(tmp_path))
+    assert [r.returncode for r in results] == [0, 124]
+    assert "[check] stopped after" in results[1].output and "[check] stopped" not in results[0].output
+    stat = Path(f"/proc/{(stuck / 'child').read_text()}/stat")  # its own rank was killed with it
+    for _ in range(100):
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the run's rank outlived it")

@@ -18,6 +18,7 @@ from typing import List, Optional, Sequence
 from megatron_recipes.check import compare, runs
 from megatron_recipes.check.shrink import LAYERS_PER_CHUNK, Shrunk, shrink
 from megatron_recipes.cli_args import split_args
+from megatron_recipes.config import derived
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
 
@@ -37,6 +38,9 @@ QUIET = ["logging.log_interval=1", "logging.eval_interval=100000", "logging.eval
          "logging.tensorboard=false", "logging.wandb_project=null"]
 # Inputs the check brings itself (its seed checkpoint and data): the input rules needing them are not judged.
 PROVIDES = ("data.sft_path", "checkpoint.pretrained")
+# The runs in the order they start; those of one phase are independent of each other (reference and layout
+# both start from the seed; reshard and reweights from the layout's and the reference's checkpoints).
+PHASES = (("seed",), ("reference", "layout"), ("reshard", "reweights"))
 MOCK = ["data=mock", "data.builtin_max_files=80", "data.builtin_vocab_size=600"]
 
 
@@ -80,11 +84,12 @@ def _compose(recipe: str, overrides: Sequence[str]) -> RunConfig:
     return compose_recipe(recipe, list(overrides))
 
 
-def _validated(recipe: str, overrides: Sequence[str], what: str) -> RunConfig:
+def _validated(recipe: str, overrides: Sequence[str], what: str, cfg: Optional[RunConfig] = None) -> RunConfig:
+    """``cfg`` (composed from ``overrides`` when not given) through the rule table and this build's support."""
     from megatron_recipes.validation.validate import validate_or_raise
     from megatron_recipes.models.capabilities import require_supported
 
-    cfg = _compose(recipe, overrides)
+    cfg = cfg if cfg is not None else _compose(recipe, overrides)
     try:
         validate_or_raise(cfg, f"{recipe} ({what})")
         require_supported(cfg)
@@ -178,27 +183,32 @@ def main(argv: List[str]) -> int:
         print(f"verdict: CANNOT PROVE: the layout has CP={layout_cfg.parallel.cp}, which this build cannot run on "
               f"CPU ranks ({why}). Nothing was trained.", file=sys.stderr)
         return 2
-    _validated(args.recipe, planned["layout"], "shrunk layout")
+    _validated(args.recipe, planned["layout"], "shrunk layout", layout_cfg)
     _validated(args.recipe, planned["reference"], "one-rank reference")
     if out.exists():
         shutil.rmtree(out)
     print(f"  runs in {out} (one log per run):", flush=True)
     results = {}
-    for name in planned:
-        if name == "reshard" and results["layout"].returncode != 0:
+    ranks = {"layout": derived.world_size(layout_cfg)}
+    for phase in PHASES:  # the runs of a phase are independent: they go side by side
+        names = [name for name in phase if name in planned]
+        if not names or ("reshard" in names and results["layout"].returncode != 0):
             break
-        total = {"seed": 0, "layout": stop, "reweights": steps - stop}.get(name, steps)
-        if name == "reshard" and "reweights" in planned:
-            total = steps - stop
-        results[name] = result = runs.train(name, args.recipe, planned[name], out / name, timeout, total)
-        print(f"  {name:<9} exit {result.returncode} in {result.seconds:.1f}s", flush=True)
-        if result.returncode != 0:
-            tail = "\n    ".join(result.output.strip().splitlines()[-15:])
-            print(f"    last lines of {out / (name + '.log')}:\n    {tail}", file=sys.stderr)
-            if name != "layout" or result.returncode == runs.RECIPE_ERROR:
-                code = runs.RECIPE_ERROR if result.returncode == runs.RECIPE_ERROR else 1
-                print(f"verdict: {'RECIPE ERROR' if code == 2 else 'FAILED'}: the {name} run exited with {result.returncode}", file=sys.stderr)
-                return code
+        totals = {"seed": 0, "layout": stop, "reweights": steps - stop}
+        if "reweights" in planned:
+            totals["reshard"] = steps - stop
+        jobs = [runs.Job(n, planned[n], out / n, totals.get(n, steps), ranks.get(n, 1)) for n in names]
+        for result in runs.train_together(jobs, args.recipe, timeout):
+            name = result.name
+            results[name] = result
+            print(f"  {name:<9} exit {result.returncode} in {result.seconds:.1f}s", flush=True)
+            if result.returncode != 0:
+                tail = "\n    ".join(result.output.strip().splitlines()[-15:])
+                print(f"    last lines of {out / (name + '.log')}:\n    {tail}", file=sys.stderr)
+                if name != "layout" or result.returncode == runs.RECIPE_ERROR:
+                    code = runs.RECIPE_ERROR if result.returncode == runs.RECIPE_ERROR else 1
+                    print(f"verdict: {'RECIPE ERROR' if code == 2 else 'FAILED'}: the {name} run exited with {result.returncode}", file=sys.stderr)
+                    return code
     return _report(results, steps, stop, rtol, small, layout_cfg.parallel.vpp, _cp_scope(cfg, layout_cfg))
 
 

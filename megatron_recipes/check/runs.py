@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from megatron_recipes.progress import Progress
 from megatron_recipes.training.sinks import step_records
@@ -43,11 +43,13 @@ class RunResult:
         return {int(r["step"]): float(r["data"][key]) for r in step_records(path) if isinstance(r["data"].get(key), (int, float))}
 
 
-def _env() -> Dict[str, str]:
+def _env(threads: Optional[int] = None) -> Dict[str, str]:
     env = dict(os.environ)
     # A rendezvous left in this environment must not leak into the ranks the trainer starts.
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
+    if threads is not None and "OMP_NUM_THREADS" not in env:  # runs side by side share the cores
+        env["OMP_NUM_THREADS"] = str(threads)
     return env
 
 
@@ -60,38 +62,84 @@ def steps_logged(run_dir: Path) -> int:
         return 0
 
 
+def wait_all(procs: Sequence[subprocess.Popen], run_dirs: Sequence[Path], timeout: float, bar: Progress,
+             poll: float = 1.0, ended: Optional[Dict[int, float]] = None) -> List[int]:
+    """Each of ``procs``' exit code once all have ended (``ended``: index -> when each was seen ended);
+    meanwhile ``bar`` follows the steps they log together. Raises TimeoutExpired when ``timeout`` passes
+    first (the caller stops those still running)."""
+    deadline = time.perf_counter() + timeout
+    ended = {} if ended is None else ended
+    while True:
+        for i, p in enumerate(procs):
+            if i not in ended and p.poll() is not None:
+                ended[i] = time.perf_counter()
+        running = [p for i, p in enumerate(procs) if i not in ended]
+        bar.update(sum(steps_logged(d) for d in run_dirs) - bar.done)
+        if not running:
+            return [p.returncode for p in procs]
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            raise subprocess.TimeoutExpired(running[0].args, timeout)
+        try:
+            running[0].wait(timeout=min(poll, left))
+        except subprocess.TimeoutExpired:
+            pass
+
+
 def wait(proc: subprocess.Popen, run_dir: Path, timeout: float, bar: Progress, poll: float = 1.0) -> int:
     """``proc``'s exit code; meanwhile ``bar`` follows the steps it logs. Raises TimeoutExpired."""
-    deadline = time.perf_counter() + timeout
-    while True:
-        try:
-            code = proc.wait(timeout=min(poll, max(0.0, deadline - time.perf_counter())))
-        except subprocess.TimeoutExpired:
-            if time.perf_counter() >= deadline:
-                raise
-            bar.update(steps_logged(run_dir) - bar.done)
-        else:
-            bar.update(steps_logged(run_dir) - bar.done)
-            return code
+    return wait_all([proc], [run_dir], timeout, bar, poll)[0]
 
 
-def train(name: str, recipe: str, overrides: Sequence[str], run_dir: Path, timeout: float, steps: int = 0,
-          progress: bool = True) -> RunResult:
-    """Run the trainer with ``overrides`` (later ones win) into ``run_dir``; output to ``<run_dir>.log``.
-    While it runs, a progress bar (a line every 10 s off a terminal) counts its ``steps`` (none for 0)."""
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    cmd: List[str] = [sys.executable, "-m", "megatron_recipes.train", recipe, *overrides, f"run.dir={run_dir}"]
+@dataclass
+class Job:
+    """One trainer run of the check: its name, overrides (later ones win), folder, steps and rank count."""
+
+    name: str
+    overrides: Sequence[str]
+    run_dir: Path
+    steps: int = 0
+    ranks: int = 1
+
+
+ENTRY = (sys.executable, "-m", "megatron_recipes.train")
+
+
+def train_together(jobs: Sequence[Job], recipe: str, timeout: float, progress: bool = True,
+                   entry: Sequence[str] = ENTRY) -> List[RunResult]:
+    """Run independent ``jobs`` side by side (each its own process group, output to ``<run_dir>.log``) and
+    return their results in ``jobs``' order. One progress bar counts their steps together. On timeout or
+    Ctrl-C every run still going is stopped with its whole process group (its ranks too): exit 124."""
+    threads = max(1, (os.cpu_count() or 1) // sum(j.ranks for j in jobs)) if len(jobs) > 1 else None
     start = time.perf_counter()
-    with open(run_dir.parent / f"{run_dir.name}.log", "w", encoding="utf-8") as out:
-        out.write("$ " + " ".join(cmd) + "\n")
-        out.flush()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
-        with Progress(f"  {name}", total=steps or None, unit="steps", enabled=progress and steps > 0) as bar:
-            try:
-                code = wait(proc, run_dir, timeout, bar)
-            except BaseException:  # timeout or Ctrl-C: stop the run's whole process group (its ranks too)
+    procs, logs, ended_at = [], [], {}
+    try:
+        for job in jobs:
+            job.run_dir.parent.mkdir(parents=True, exist_ok=True)
+            cmd = [*entry, recipe, *job.overrides, f"run.dir={job.run_dir}"]
+            out = open(job.run_dir.parent / f"{job.run_dir.name}.log", "w", encoding="utf-8")
+            logs.append(out)
+            out.write("$ " + " ".join(cmd) + "\n")
+            out.flush()
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(threads), start_new_session=True))
+        total = sum(j.steps for j in jobs)
+        with Progress(f"  {', '.join(j.name for j in jobs)}", total=total or None, unit="steps",
+                      enabled=progress and total > 0) as bar:
+            codes = wait_all(procs, [j.run_dir for j in jobs], timeout, bar, ended=ended_at)
+    except BaseException:  # timeout or Ctrl-C: stop every run still going, with its whole process group
+        codes = []
+        for i, (proc, out) in enumerate(zip(procs, logs)):
+            if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 out.write(f"\n[check] stopped after {time.perf_counter() - start:.0f}s\n")
-                code = 124
-    return RunResult(name, code, time.perf_counter() - start, run_dir)
+                codes.append(124)
+            else:
+                codes.append(proc.returncode)
+            ended_at.setdefault(i, time.perf_counter())
+        codes += [124] * (len(jobs) - len(codes))  # never started (Ctrl-C while starting)
+    finally:
+        for out in logs:
+            out.close()
+    now = time.perf_counter()
+    return [RunResult(j.name, c, ended_at.get(i, now) - start, j.run_dir) for i, (j, c) in enumerate(zip(jobs, codes))]
