@@ -220,3 +220,27 @@ def test_mock_kind_uses_megatron_mock_dataset(env):
     assert type(train).__name__ == "MockGPTDataset" and len(train) >= 3 * 16
     batch = next(micro_batches(train, 2, 0, 1))
     assert batch["tokens"].shape == (2, cfg.train.seq_length)
+
+
+def test_index_caches_are_built_under_the_cache_lock(env):
+    """Two jobs sharing data.cache_dir (the check's runs side by side): while another process builds the
+    index caches (holding the lock), this one waits instead of reading half-written .npy files."""
+    import threading
+    import time
+
+    from megatron_recipes.data import artifact_cache as cache
+    from megatron_recipes.data.pretrain import gpt_dataset_config, resolve_blends
+
+    root, _ = env
+    cfg = small_cfg(root, "train.train_iters=7", "seed=4321")  # caches no other test has built
+    tok = load_tokenizer(cfg)
+    folder = Path(gpt_dataset_config(cfg, tok, *resolve_blends(cfg)).path_to_cache)
+    before = set(folder.glob("*.npy"))
+    done = []
+    with cache.exclusive_lock(folder / ".build.lock"):  # the other builder
+        worker = threading.Thread(target=lambda: done.append(build_pretrain_datasets(cfg, tok)))
+        worker.start()
+        time.sleep(3)
+        assert not done and set(folder.glob("*.npy")) == before  # waiting: nothing read, nothing written
+    worker.join(120)
+    assert done and set(folder.glob("*.npy")) > before

@@ -3,7 +3,8 @@
 Why subprocesses of the real entry point: the proof must cover what a user runs (composition, rule table,
 rank spawning, the trainer, checkpoints), not a re-creation of it. Per-step numbers come from each run's
 ``log.jsonl`` (also read while a run goes, for its progress bar); the full output of each run is kept next to
-it (``<run>.log``).
+it (``<run>.log``). Runs that do not need each other's checkpoints go side by side (``train_together``):
+most of a tiny run is process start-up, which a second core overlaps.
 """
 
 from __future__ import annotations

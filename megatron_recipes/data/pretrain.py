@@ -13,6 +13,7 @@ import logging
 import math
 import os
 from typing import Callable, List, Optional, Sequence, Tuple
+from pathlib import Path
 
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
@@ -179,6 +180,19 @@ def gpt_dataset_config(cfg: RunConfig, tokenizer, blend=None, blend_per_split=No
     )
 
 
+def _index_build_lock(path_to_cache: Optional[str]):
+    """Held by the process that writes megatron-core's index caches (global rank 0) while it builds: two
+    jobs sharing ``data.cache_dir`` (the check's runs side by side) would otherwise race, one reading the
+    ``.npy`` files the other is still writing (megatron-core saves them in place, checking only that they exist)."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    if not path_to_cache or (dist.is_initialized() and dist.get_rank() != 0):
+        return contextlib.nullcontext()
+    return cache.exclusive_lock(Path(path_to_cache) / ".build.lock")
+
+
 def build_pretrain_datasets(cfg: RunConfig, tokenizer, is_built_on_rank: Optional[Callable[[], bool]] = None):
     """(train, valid, test) megatron-core datasets; call on every rank after torch.distributed is set up.
 
@@ -200,7 +214,8 @@ def build_pretrain_datasets(cfg: RunConfig, tokenizer, is_built_on_rank: Optiona
         MockGPTDataset if mock else GPTDataset, sizes, is_built_on_rank or (lambda: True), config
     )
     try:
-        train, valid, test = builder.build()
+        with _index_build_lock(config.path_to_cache):
+            train, valid, test = builder.build()
     except FileNotFoundError as exc:
         raise RecipeError(
             f"a dataset index cache file is missing on this rank: {exc.filename or exc}. Rank 0 builds the "
