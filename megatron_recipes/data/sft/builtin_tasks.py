@@ -1,11 +1,14 @@
 """A built-in chat data set with checkable answers: fine-tuning with no file to write and no download.
 
 ``data.sft_path=builtin`` selects it. Each record is one user question and one short assistant answer from
-a few generated task families (parity of a number, the larger of two numbers, the letter after a letter,
-repeating a word). Answers are exact strings, so the trainer measures task accuracy on the validation
-split (an answer counts as right when greedy decoding would produce it: every answer token is the model's
-most likely one, here checked as probability > 1/2). Deterministic: same seed, same files; written once
-into the data cache like the built-in corpus.
+a few generated copy-style task families over identifiers common in Python source (the built-in corpus),
+each one token of the built-in tokenizer alone and after a space: copy a line ``key = <word>`` or
+``key = <word> <word>``, and answer which word a variable holds (``x = .. y = .. z = .. What is y?`` ->
+``y = <word>``). Every family has ~44 distinct answers and no class prior (unlike parity), so a constant
+guess scores ~2%: a rising accuracy means the copy is learned. Answers are exact strings, so the trainer
+measures task accuracy on the validation split (an answer counts as right when greedy decoding would
+produce it: every answer token is the model's most likely one, here checked as probability > 1/2).
+Deterministic: same seed, same files; written once into the data cache like the built-in corpus.
 """
 
 from __future__ import annotations
@@ -18,26 +21,29 @@ from typing import Dict, List, Optional, Tuple
 from megatron_recipes.data import artifact_cache as cache
 
 BUILTIN = "builtin"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 5
 TRAIN_SAMPLES, VALID_SAMPLES = 4000, 256
-_WORDS = ("apple", "river", "stone", "cloud", "green", "tiger", "music", "light", "paper", "house", "water",
-          "table", "dream", "night", "chair", "plant", "bread", "smile", "ocean", "train")
-_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+# single tokens of the built-in tokenizer both alone and after a space (checked when the set was made)
+WORDS = ("self", "name", "value", "path", "data", "return", "list", "dict", "type", "key", "item", "line", "text",
+         "file", "args", "result", "index", "count", "size", "start", "node", "code", "mode", "base", "module",
+         "class", "import", "object", "string", "number", "error", "test", "info", "stream", "buffer", "format",
+         "config", "label", "token", "state", "parent", "source", "target", "output")
 
 
-def _task(rng: random.Random) -> Tuple[str, str]:
+def _task(rng: random.Random) -> Tuple[str, Optional[str]]:
+    """(question, answer); answer None means: the question's second line (copy tasks)."""
     kind = rng.randrange(4)
     if kind == 0:
-        n = rng.randrange(10, 10000)
-        return f"Is {n} even or odd?", "even" if n % 2 == 0 else "odd"
+        return f"Copy this line:\nkey = {rng.choice(WORDS)}", None
     if kind == 1:
-        a, b = rng.sample(range(10, 100), 2)
-        return f"Which is larger, {a} or {b}?", str(max(a, b))
-    if kind == 2:
-        i = rng.randrange(len(_LETTERS) - 1)
-        return f"Which letter comes after {_LETTERS[i]}?", _LETTERS[i + 1]
-    word = rng.choice(_WORDS)
-    return f"Repeat the word {word}.", word
+        a, b = rng.sample(WORDS, 2)
+        return f"Copy this line:\nkey = {a} {b}", None
+    # kinds 2 and 3: the variable-lookup family, half of all records
+    names = ("x", "y", "z")
+    words = rng.sample(WORDS, 3)
+    asked = rng.randrange(3)
+    question = "\n".join(f"{n} = {w}" for n, w in zip(names, words)) + f"\nWhat is {names[asked]}?"
+    return question, f"{names[asked]} = {words[asked]}"
 
 
 def records(seed: int, count: int) -> List[Dict]:
@@ -46,6 +52,7 @@ def records(seed: int, count: int) -> List[Dict]:
     out = []
     for _ in range(count):
         question, answer = _task(rng)
+        answer = answer or question.split("\n", 1)[1]
         out.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]})
     return out
 
