@@ -105,12 +105,13 @@ def test_single_node_ranks_set_cuda_device_max_connections(monkeypatch):
 
     seen = {}
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    monkeypatch.setattr(loop, "run", lambda cfg, recipe: seen.setdefault("value", cli.os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")) and 0)
-    cli.run_rank(["llama3_8b_pretrain"])  # TP=2 on H100: megatron-core overlaps TP communication
+    monkeypatch.setattr(loop, "run", lambda cfg, recipe, validated=False: seen.setdefault("value", cli.os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")) and 0)
+    cfg = compose_recipe("llama3_8b_pretrain", [])
+    cli.run_rank("llama3_8b_pretrain", cfg)  # TP=2 on H100: megatron-core overlaps TP communication
     assert seen["value"] == "1"
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "4")
     seen.clear()
-    cli.run_rank(["llama3_8b_pretrain"])
+    cli.run_rank("llama3_8b_pretrain", cfg)
     assert seen["value"] == "4", "a value the user set is kept"
     env = {}
     assert cli.set_rank_environment(_cfg(), env) == [] and env == {}  # CPU lane: nothing to set

@@ -11,6 +11,10 @@ import pytest
 
 from multiproc import RankFailed, run_ranks
 
+from megatron_recipes.runtime import patches
+
+PROCESS_PATCHES = [p.name for p in patches.PATCHES if p.scope == "process"]  # what the entry points apply
+
 
 def _raise_on_rank_1():
     if os.environ["RANK"] == "1":
@@ -68,5 +72,5 @@ def test_ranks_see_the_callers_environment_own_seeds_and_process_patches(monkeyp
     assert a["env"] == ("changed", "x", "0", "2") and b["env"] == ("changed", "x", "1", "2")
     assert a["seed"] != b["seed"]  # as two fresh interpreters: not the server's generator state, twice
     for rank in (a, b):
-        assert rank["compile_deferred"] and rank["process_patches"] == ["defer-torch-compile"]
+        assert rank["compile_deferred"] and rank["process_patches"] == PROCESS_PATCHES
         assert not rank["dynamo_imported"] and rank["threads"] == 1
