@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from megatron_recipes import files
-from megatron_recipes.run_files import LOG_NAME
+from megatron_recipes.run_files import LOG_NAME, PLOT_NAME  # noqa: F401  (loop reads both here)
 
 if TYPE_CHECKING:
     from megatron_recipes.config.schema import RunConfig
