@@ -180,7 +180,7 @@ def test_a_run_shows_its_steps_while_it_goes(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", child, str(run_dir / "log.jsonl")])
     stream = io.StringIO()
     with Progress("  layout", total=3, unit="steps", stream=stream, tty=False, interval=0.0, delay=0.0) as bar:
-        assert runs.wait(proc, run_dir, 60, bar, poll=0.1) == 0
+        assert runs.wait_all([proc], [run_dir], 60, bar, poll=0.1) == [0]
     lines = stream.getvalue().splitlines()
     assert any("3 / 3 steps" in line for line in lines) and any(" 1 / 3 steps" in line for line in lines), lines
     assert lines[-1].startswith("  layout: done, 3 steps"), lines

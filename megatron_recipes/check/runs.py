@@ -87,11 +87,6 @@ def wait_all(procs: Sequence[subprocess.Popen], run_dirs: Sequence[Path], timeou
             pass
 
 
-def wait(proc: subprocess.Popen, run_dir: Path, timeout: float, bar: Progress, poll: float = 1.0) -> int:
-    """``proc``'s exit code; meanwhile ``bar`` follows the steps it logs. Raises TimeoutExpired."""
-    return wait_all([proc], [run_dir], timeout, bar, poll)[0]
-
-
 @dataclass
 class Job:
     """One trainer run of the check: its name, overrides (later ones win), folder, steps and rank count."""

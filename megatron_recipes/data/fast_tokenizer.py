@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 from megatron_recipes.config.errors import RecipeError
 
@@ -33,7 +33,7 @@ class PreprocessTokenizer:
     via: str  # "tokenizer.json" or "transformers (<reason>)"
 
 
-def _content(token) -> Optional[str]:
+def token_content(token) -> Optional[str]:
     return token.get("content") if isinstance(token, dict) else token
 
 
@@ -46,21 +46,21 @@ def _needs_transformers(backend, config: dict) -> Optional[str]:
         if key in config:
             return f"{key} in tokenizer_config.json"
     for key in _SPECIAL_KEYS:
-        content = _content(config.get(key))
+        content = token_content(config.get(key))
         if content is not None and backend.token_to_id(content) is None:
             return f"{key} '{content}' is not in tokenizer.json"
     for token_id, token in (config.get("added_tokens_decoder") or {}).items():
-        if backend.token_to_id(_content(token)) != int(token_id):
-            return f"added token {_content(token)!r} differs from tokenizer.json"
+        if backend.token_to_id(token_content(token)) != int(token_id):
+            return f"added token {token_content(token)!r} differs from tokenizer.json"
     extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
     for token in extra if isinstance(extra, list) else []:
-        if backend.token_to_id(_content(token)) is None:
-            return f"special token {_content(token)!r} is not in tokenizer.json"
+        if backend.token_to_id(token_content(token)) is None:
+            return f"special token {token_content(token)!r} is not in tokenizer.json"
     return None
 
 
-def _find_eod(backend, config: dict, source: str) -> int:
-    eos = _content(config.get("eos_token"))
+def find_eod(backend, config: dict, source: str) -> int:
+    eos = token_content(config.get("eos_token"))
     if eos is not None:
         return int(backend.token_to_id(eos))
     for token in _EOD_CANDIDATES:
@@ -95,6 +95,17 @@ def load_preprocess_tokenizer(tokenizer: str) -> PreprocessTokenizer:
         )
     if not (folder / "tokenizer.json").is_file():
         return _via_transformers(folder, "no tokenizer.json")
+    backend, config, reason = read_tokenizer_json(folder)
+    if reason:
+        return _via_transformers(folder, reason)
+    backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+    eod = find_eod(backend, config, str(folder))
+    return PreprocessTokenizer(backend, eod, backend.get_vocab_size(with_added_tokens=True), str(folder), "tokenizer.json")
+
+
+def read_tokenizer_json(folder: Path) -> Tuple[object, dict, Optional[str]]:
+    """(the Rust tokenizer of ``tokenizer.json``, ``tokenizer_config.json`` ({} when absent), why transformers
+    would build another backend from them, or None). Raises RecipeError when a file cannot be read."""
     try:
         config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -110,9 +121,5 @@ def load_preprocess_tokenizer(tokenizer: str) -> PreprocessTokenizer:
             f"cannot load {folder / 'tokenizer.json'}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
             fix="the folder must hold tokenizer.json as written by save_pretrained()",
         ) from None
-    reason = _needs_transformers(backend, config)
-    if reason:
-        return _via_transformers(folder, reason)
-    backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
-    eod = _find_eod(backend, config, str(folder))
-    return PreprocessTokenizer(backend, eod, backend.get_vocab_size(with_added_tokens=True), str(folder), "tokenizer.json")
+    reason = _needs_transformers(backend, config) if isinstance(config, dict) else "tokenizer_config.json is not an object"
+    return backend, config, reason

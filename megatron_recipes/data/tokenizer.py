@@ -122,21 +122,16 @@ def _from_tokenizer_json(folder: Path) -> Optional[RecipeTokenizer]:
     from ``tokenizer.json`` and every special token comes from ``tokenizer_config.json``; else None."""
     from megatron_recipes.data import fast_tokenizer
 
-    if (folder / "special_tokens_map.json").exists():  # transformers reads special tokens from it too
-        return None
+    if (folder / "special_tokens_map.json").exists() or not (folder / "tokenizer_config.json").is_file():
+        return None  # transformers reads special tokens from the map too; no config: let it decide
     try:
-        import json
-
-        from tokenizers import Tokenizer
-
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-        backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        if not isinstance(config, dict) or fast_tokenizer._needs_transformers(backend, config) is not None:
+        backend, config, reason = fast_tokenizer.read_tokenizer_json(folder)
+        if reason is not None:
             return None
-        eod = fast_tokenizer._find_eod(backend, config, str(folder))
+        eod = fast_tokenizer.find_eod(backend, config, str(folder))
     except Exception:  # unreadable or unusual: transformers loads it, or gives its clear error
         return None
-    pad_token = fast_tokenizer._content(config.get("pad_token"))
+    pad_token = fast_tokenizer.token_content(config.get("pad_token"))
     pad = backend.token_to_id(pad_token) if pad_token is not None else None
     vocab_size = backend.get_vocab_size(with_added_tokens=True)
     return RecipeTokenizer(str(folder), backend.to_str(), eod, pad, vocab_size)
