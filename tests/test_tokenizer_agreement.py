@@ -44,6 +44,8 @@ def _added_tokens_decoder(tok) -> dict:
 def _folder(root: Path, name: str, config=None, special_map=None, bos_template=False, decoder=False) -> Path:
     folder = root / name
     folder.mkdir()
+    if name == "model_folder_without_class":  # a model's folder: transformers picks the class from config.json
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama", "bos_token_id": 1, "eos_token_id": 2}))
     tok = _backend(bos_template)
     tok.save(str(folder / "tokenizer.json"))
     if config is not None:
@@ -78,6 +80,8 @@ CASES = {
                           {"eos_token": "<|endoftext|>", "additional_special_tokens": ["<|im_start|>", "<tool>"]},
                           False, False, "<|endoftext|>"),
     "bare": (None, None, False, False, "<|endoftext|>"),
+    "model_folder_without_class": ({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}, None, True, True,
+                                   "<|end_of_text|>"),
 }
 
 
