@@ -125,3 +125,16 @@ def test_preprocess_and_training_read_the_same_facts(name, folders, tmp_path):
     preprocess(str(tmp_path / "in.jsonl"), str(tmp_path / "out"), str(folder), workers=1, show_progress=False)
     written = IndexedDataset(str(tmp_path / "out"))
     assert [written[i].tolist() for i in range(len(written))] == [train.tokenize(t) + [train.eod] for t in TEXTS]
+
+
+def test_preprocess_through_transformers_imports_no_megatron_core(folders):
+    """A folder read through transformers costs preprocessing transformers' import, never megatron-core's."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom megatron_recipes.data.fast_tokenizer import load_preprocess_tokenizer\n"
+            f"tok = load_preprocess_tokenizer({str(folders['gpt2'])!r})\n"
+            "print(tok.via, 'megatron.core' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "transformers (tokenizer_class=GPT2Tokenizer) False"
