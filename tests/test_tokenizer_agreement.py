@@ -17,7 +17,7 @@ import pytest
 
 from data_support import write_jsonl
 
-TEXTS = ["def f(x):\n    return x + 1", "hello world <|im_start|> hi <|eot_id|> bye", "caf\u00e9 \U0001f600 ok"]
+TEXTS = ["def f(x):\n    return x + 1", "hello world <|im_start|> hi <|eot_id|> <tool>bye", "caf\u00e9 \U0001f600 ok"]
 _SPECIALS = ["<|endoftext|>", "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -116,7 +116,7 @@ def test_preprocess_and_training_read_the_same_facts(name, folders, tmp_path):
     # The EOD appended to documents, the vocabulary size (dtype; embedding check), the pad id.
     assert (pre.eod, pre.vocab_size) == (train.eod, train.vocab_size) == (want_eod, len(hf)), pre.via
     want_pad = hf.pad_token_id if hf.pad_token_id not in (None, want_eod) else None
-    assert train._pad == want_pad
+    assert train._pad == want_pad  # preprocessing reads it from the same facts (it does not use it)
     for text in TEXTS:  # ids, with and without the special tokens (BOS) the folder's tokenizer adds
         for special in (False, True):
             assert pre.backend.encode(text, add_special_tokens=special).ids == hf(text, add_special_tokens=special)["input_ids"]
