@@ -2,7 +2,9 @@
 
 Start-up is part of the cost users wait for, so this command imports only what it needs: the
 ``tokenizers`` library reading ``tokenizer.json`` (``fast_tokenizer``), NumPy, and one input reader
-(``inputs``); no torch, megatron-core or transformers. Parallelism is the Rust tokenizer's own thread
+(``inputs``); no torch, megatron-core or transformers (transformers only for a folder it would read
+differently). The tokenizer folder is read by the trainer's own reader, so the EOD appended here is
+the one training masks. Parallelism is the Rust tokenizer's own thread
 pool (``encode_batch_fast`` releases the GIL), so there are no worker processes holding copies of the
 interpreter and no token lists pickled between them. Memory is bounded: a reader thread parses the
 next batch (about ``batch_bytes`` of text) while the current one is tokenized, and each batch's ids go
