@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from megatron_recipes.check import compare, runs
+from megatron_recipes.check import compare, ranks, runs
 from megatron_recipes.check.shrink import LAYERS_PER_CHUNK, Shrunk, shrink
 from megatron_recipes.cli_args import split_args
 from megatron_recipes.config import derived
@@ -161,6 +161,7 @@ def main(argv: List[str]) -> int:
         print(f"usage: {PROG} <recipe> [key=value ...] [--max-ranks 8] [--steps 6] [--rtol 1e-5] [--dir DIR] [--full-depth]\n\n{__doc__}")
         return 0
     args = split_args(argv, PROG, FLAGS)
+    ranks.context()  # the ranks' server imports torch and megatron-core while this process plans the runs
     max_ranks, steps = args.flags.get("max-ranks", 8), args.flags.get("steps", 6)
     timeout, rtol = args.flags.get("timeout", 900), args.flags.get("rtol", 1e-5)
     if steps < 3:
@@ -189,7 +190,7 @@ def main(argv: List[str]) -> int:
         shutil.rmtree(out)
     print(f"  runs in {out} (one log per run):", flush=True)
     results = {}
-    ranks = {"layout": derived.world_size(layout_cfg)}
+    world = {"layout": derived.world_size(layout_cfg)}
     for phase in PHASES:  # the runs of a phase are independent: they go side by side
         names = [name for name in phase if name in planned]
         if not names or ("reshard" in names and results["layout"].returncode != 0):
@@ -197,7 +198,7 @@ def main(argv: List[str]) -> int:
         totals = {"seed": 0, "layout": stop, "reweights": steps - stop}
         if "reweights" in planned:
             totals["reshard"] = steps - stop
-        jobs = [runs.Job(n, planned[n], out / n, totals.get(n, steps), ranks.get(n, 1)) for n in names]
+        jobs = [runs.Job(n, planned[n], out / n, totals.get(n, steps), world.get(n, 1)) for n in names]
         for result in runs.train_together(jobs, args.recipe, timeout):
             name = result.name
             results[name] = result
