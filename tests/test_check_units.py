@@ -218,7 +218,7 @@ _STAND_IN = (  # a stand-in trainer: `<recipe> [overrides] run.dir=D`; logs its 
 def _stand_in(tmp_path):
     script = tmp_path / "stand_in.py"
     script.write_text(_STAND_IN)
-    return (sys.executable, str(script))
+    return (str(script),)  # what each rank's ``python`` runs, as ``("-m", "megatron_recipes.train")`` by default
 
 
 def test_independent_runs_go_side_by_side_and_report_in_order(tmp_path):

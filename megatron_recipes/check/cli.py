@@ -100,14 +100,15 @@ def _validated(recipe: str, overrides: Sequence[str], what: str, cfg: Optional[R
 
 
 def plan_runs(recipe: str, user: Sequence[str], max_ranks: int, steps: int, stop: int, out: Optional[Path] = None,
-              full_depth: bool = False):
+              full_depth: bool = False, cfg: Optional[RunConfig] = None):
     """(recipe cfg, Shrunk, per-run overrides, notes): everything decided before a process starts.
 
-    ``out`` (default ``runs/check/<run name>``) holds the four runs: seed, reference, layout, reshard."""
+    ``out`` (default ``runs/check/<run name>``) holds the four runs: seed, reference, layout, reshard.
+    ``cfg``: the recipe with ``user`` overrides, when already composed."""
     from megatron_recipes.validation.rules import select
     from megatron_recipes.validation.validate import validate_or_raise
 
-    cfg = _compose(recipe, user)
+    cfg = cfg if cfg is not None else _compose(recipe, user)
     validate_or_raise(cfg, recipe, rules=select(provided=PROVIDES))  # the recipe as written, on its own cluster
     small = shrink(cfg, max_ranks, None if full_depth else LAYERS_PER_CHUNK)
     notes = list(small.notes)
@@ -161,7 +162,9 @@ def main(argv: List[str]) -> int:
         print(f"usage: {PROG} <recipe> [key=value ...] [--max-ranks 8] [--steps 6] [--rtol 1e-5] [--dir DIR] [--full-depth]\n\n{__doc__}")
         return 0
     args = split_args(argv, PROG, FLAGS)
-    ranks.context()  # the ranks' server imports torch and megatron-core while this process plans the runs
+    recipe_cfg = _compose(args.recipe, args.overrides)
+    # the ranks' server imports torch, megatron-core (and the tokenizer's library) while this process plans
+    ranks.context(tokenizers=recipe_cfg.data.kind == "sft")
     max_ranks, steps = args.flags.get("max-ranks", 8), args.flags.get("steps", 6)
     timeout, rtol = args.flags.get("timeout", 900), args.flags.get("rtol", 1e-5)
     if steps < 3:
@@ -169,7 +172,8 @@ def main(argv: List[str]) -> int:
     stop = steps - 2
     given = args.flags.get("dir")
     cfg, small, planned, notes, out = plan_runs(
-        args.recipe, args.overrides, max_ranks, steps, stop, Path(given) if given else None, bool(args.flags.get("full-depth"))
+        args.recipe, args.overrides, max_ranks, steps, stop, Path(given) if given else None, bool(args.flags.get("full-depth")),
+        recipe_cfg,
     )
     layout_cfg = _compose(args.recipe, planned["layout"])
 

@@ -7,7 +7,11 @@ forks from the state a fresh rank reaches after those imports. The order is the 
 lane, no seed, no recipe, nothing read from one run's environment (each rank gets its own at start).
 """
 
-from megatron_recipes.runtime import patches
+from megatron_recipes.training.cli import quiet_known_warnings
+
+quiet_known_warnings()  # as the entry point does first; else the server prints them into the check's output
+
+from megatron_recipes.runtime import patches  # noqa: E402
 
 patches.apply("process")
 
@@ -23,6 +27,5 @@ import megatron_recipes.checkpoint  # noqa: E402,F401
 import megatron_recipes.config.compose  # noqa: E402,F401
 import megatron_recipes.data.datasets  # noqa: E402,F401
 import megatron_recipes.models.builder  # noqa: E402,F401
-import megatron_recipes.training.cli  # noqa: E402,F401
 import megatron_recipes.training.loop  # noqa: E402,F401
 import megatron_recipes.validation.validate  # noqa: E402,F401

@@ -29,11 +29,14 @@ from typing import Dict, List, Optional, Sequence
 from megatron_recipes.runtime.distributed import free_port
 
 PRELOAD = ["megatron_recipes.check.preload"]
+# What a run with a Hugging Face tokenizer (fine-tuning data) loads it with: ~2 s of CPU per rank otherwise.
+TOKENIZER_PRELOAD = ["transformers.models.auto.tokenization_auto", "transformers.tokenization_utils_tokenizers"]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
 
 
-def context():
-    """The forkserver context; its server starts here (preloading in the background) if not yet running.
+def context(tokenizers: bool = False):
+    """The forkserver context; its server starts here (preloading in the background) if not yet running,
+    with transformers' tokenizer loading too when ``tokenizers`` (a module it lacks is skipped).
 
     One server per process (Python's forkserver is a per-process singleton): when another caller started
     it with its own preload, ranks still start correctly, they import what that preload lacked."""
@@ -41,7 +44,7 @@ def context():
     from multiprocessing import forkserver
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload(PRELOAD + (TOKENIZER_PRELOAD if tokenizers else []))
     forkserver.ensure_running()
     return ctx
 
