@@ -165,6 +165,14 @@ def main(argv: List[str]) -> int:
     recipe_cfg = _compose(args.recipe, args.overrides)
     # the ranks' server imports torch, megatron-core (and the tokenizer's library) while this process plans
     ranks.context(tokenizers=recipe_cfg.data.kind == "sft")
+    try:
+        return _check(args, recipe_cfg)
+    finally:
+        ranks.stop()  # every run has ended (or was stopped) by now
+
+
+def _check(args, recipe_cfg: RunConfig) -> int:
+    """The check itself, once the ranks' server is starting: plan, refuse or run, compare."""
     max_ranks, steps = args.flags.get("max-ranks", 8), args.flags.get("steps", 6)
     timeout, rtol = args.flags.get("timeout", 900), args.flags.get("rtol", 1e-5)
     if steps < 3:

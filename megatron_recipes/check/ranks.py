@@ -49,6 +49,23 @@ def context(tokenizers: bool = False):
     return ctx
 
 
+def stop() -> None:
+    """Stop this process's server now, when no rank of it runs any more. Ending with the check, it would
+    first finish its preload (seconds), holding the check's output open meanwhile (a caller reading that
+    output to its end, e.g. after an early recipe error, would wait for it)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # the stdlib's one server per process; it has no public stop
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None or not hasattr(server, "_stop"):
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    server._stop()
+
+
 def _rank(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: str) -> None:
     """One rank, in the forked child: the run's environment and log, then ``python <entry> <argv>``."""
     os.setpgid(0, 0)  # its own group: stopping the run stops whatever this rank starts (checkpoint writers)
