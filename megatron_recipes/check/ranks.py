@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from multiprocessing import connection
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 from megatron_recipes.runtime.distributed import free_port
 
@@ -93,12 +93,20 @@ def _rank(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: s
         atexit._run_exitfuncs()  # what a fresh interpreter runs at exit (the fork server's child would not)
 
 
-def _kill_group(pid: int) -> None:
-    for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-        try:  # the group is the rank's own once it has started; before that, the rank alone
-            target()
-        except (ProcessLookupError, PermissionError):
-            continue
+def _kill_group(pid: int, running: bool) -> None:
+    """SIGKILL to the process group a rank leads (it and what it started); to the rank alone when it is
+    ``running`` but has no group yet (just forked). An ended rank's pid is never signalled by itself:
+    once reaped, that number may belong to another process (a group's id is not reused while it lives)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        if running:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    except PermissionError:  # the number is no longer one of ours
+        pass
 
 
 class Run:
@@ -153,10 +161,10 @@ class Run:
     def kill(self) -> None:
         """SIGKILL to every rank's process group (each rank with what it started); waits for the ranks."""
         for proc in self.procs:
-            _kill_group(proc.pid)
+            _kill_group(proc.pid, running=proc.exitcode is None)
         for proc in self.procs:
             proc.join()
-            _kill_group(proc.pid)  # a child the rank started just before it died
+            _kill_group(proc.pid, running=False)  # a child the rank started just before it died
 
 
 def start(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: str, ranks: int) -> Run:
