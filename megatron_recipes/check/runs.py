@@ -66,8 +66,8 @@ def steps_logged(run_dir: Path) -> int:
 def wait_all(procs: Sequence, run_dirs: Sequence[Path], timeout: float, bar: Progress,
              poll: float = 1.0, ended: Optional[Dict[int, float]] = None) -> List[int]:
     """Each of ``procs``' (``ranks.Run`` or ``subprocess.Popen``) exit code once all have ended (``ended``:
-    index -> when each was seen ended); meanwhile ``bar`` follows the steps they log together. Raises TimeoutExpired when ``timeout`` passes
-    first (the caller stops those still running)."""
+    index -> when each was seen ended); meanwhile ``bar`` follows the steps they log together. Raises
+    TimeoutExpired when ``timeout`` passes first (the caller stops those still running)."""
     deadline = time.perf_counter() + timeout
     ended = {} if ended is None else ended
     while True:
