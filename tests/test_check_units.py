@@ -218,7 +218,7 @@ _STAND_IN = (  # a stand-in trainer: `<recipe> [overrides] run.dir=D`; logs its 
 def _stand_in(tmp_path):
     script = tmp_path / "stand_in.py"
     script.write_text(_STAND_IN)
-    return (sys.executable, str(script))
+    return (str(script),)  # what each rank's ``python`` runs, as ``("-m", "megatron_recipes.train")`` by default
 
 
 def test_independent_runs_go_side_by_side_and_report_in_order(tmp_path):
@@ -250,3 +250,83 @@ def test_a_timeout_stops_every_run_still_going_with_its_ranks(tmp_path):
         time.sleep(0.1)
     else:
         raise AssertionError("the run's rank outlived it")
+
+
+_RANK_STAND_IN = (  # one rank: `<recipe> [opts] run.dir=D`; says what a launcher gave it, then fails or waits
+    "import json, os, subprocess, sys, time\n"
+    "run_dir = sys.argv[-1].split('=', 1)[1]; os.makedirs(run_dir, exist_ok=True)\n"
+    "opts = dict(a.split('=', 1) for a in sys.argv[2:-1])\n"
+    "rank = os.environ.get('RANK', '-')\n"
+    "info = {k: os.environ.get(k) for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')}\n"
+    "info.update(pid=os.getpid(), pgid=os.getpgid(0), argv=sys.argv[1:])\n"
+    "if 'child' in opts:  # a process of its own (as a checkpoint writer would be), which must die with it\n"
+    "    info['child'] = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']).pid\n"
+    "open(os.path.join(run_dir, f'rank{rank}.json'), 'w').write(json.dumps(info))\n"
+    "print('hello from rank', rank, flush=True)\n"
+    "if opts.get('fail_rank') == rank:\n"
+    "    sys.exit(2)\n"
+    "time.sleep(120)\n"
+)
+
+
+def _gone(pid: int) -> bool:
+    """``pid`` has exited (or is a zombie waiting for its new parent), within ~10 s."""
+    stat = Path(f"/proc/{pid}/stat")
+    for _ in range(100):
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _rank_infos(run_dir: Path, world: int) -> list:
+    import json
+
+    for _ in range(600):
+        paths = [run_dir / f"rank{r}.json" for r in range(world)]
+        if all(p.is_file() and p.stat().st_size for p in paths):
+            return [json.loads(p.read_text()) for p in paths]
+        time.sleep(0.1)
+    raise AssertionError(f"the ranks of {run_dir} did not start")
+
+
+def test_a_run_starts_its_ranks_as_a_launcher_would_and_a_failing_rank_stops_the_others(tmp_path):
+    from megatron_recipes.check import runs
+
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_STAND_IN)
+    run_dir = tmp_path / "layout"
+    results = runs.train_together([runs.Job("layout", ["fail_rank=1"], run_dir, 1, ranks=2)], "tiny", 120,
+                                  progress=False, entry=(str(script),))
+    assert results[0].returncode == 2  # rank 1's code, not the timeout's 124: rank 0 (waiting 120 s) was stopped
+    infos = _rank_infos(run_dir, 2)
+    assert [(i["RANK"], i["LOCAL_RANK"], i["WORLD_SIZE"]) for i in infos] == [("0", "0", "2"), ("1", "1", "2")]
+    assert infos[0]["MASTER_PORT"] == infos[1]["MASTER_PORT"] and infos[0]["MASTER_ADDR"] == "127.0.0.1"
+    assert all(i["pgid"] == i["pid"] for i in infos)  # each rank leads its own process group
+    assert infos[0]["argv"] == ["tiny", "fail_rank=1", f"run.dir={run_dir}"]
+    assert _gone(infos[0]["pid"])
+    assert "hello from rank 0" in results[0].output and "hello from rank 1" in results[0].output
+
+
+def test_ctrl_c_stops_every_rank_and_what_the_ranks_started(tmp_path):
+    import json
+    import signal
+    import subprocess
+
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_STAND_IN)
+    run_dir = tmp_path / "layout"
+    driver = ("import sys; from pathlib import Path; from megatron_recipes.check import runs\n"
+              "jobs = [runs.Job('layout', ['child=1'], Path(sys.argv[1]), 1, ranks=2)]\n"
+              "print([r.returncode for r in runs.train_together(jobs, 'tiny', 300, progress=False, entry=(sys.argv[2],))])\n")
+    proc = subprocess.Popen([sys.executable, "-c", driver, str(run_dir), str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        infos = _rank_infos(run_dir, 2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert json.loads(out.strip()) == [124], out
+    for info in infos:
+        assert _gone(info["pid"]) and _gone(info["child"]), info
+    assert "[check] stopped after" in (tmp_path / "layout.log").read_text()

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from megatron_recipes.check import compare, runs
+from megatron_recipes.check import compare, ranks, runs
 from megatron_recipes.check.shrink import LAYERS_PER_CHUNK, Shrunk, shrink
 from megatron_recipes.cli_args import split_args
 from megatron_recipes.config import derived
@@ -100,14 +100,15 @@ def _validated(recipe: str, overrides: Sequence[str], what: str, cfg: Optional[R
 
 
 def plan_runs(recipe: str, user: Sequence[str], max_ranks: int, steps: int, stop: int, out: Optional[Path] = None,
-              full_depth: bool = False):
+              full_depth: bool = False, cfg: Optional[RunConfig] = None):
     """(recipe cfg, Shrunk, per-run overrides, notes): everything decided before a process starts.
 
-    ``out`` (default ``runs/check/<run name>``) holds the four runs: seed, reference, layout, reshard."""
+    ``out`` (default ``runs/check/<run name>``) holds the four runs: seed, reference, layout, reshard.
+    ``cfg``: the recipe with ``user`` overrides, when already composed."""
     from megatron_recipes.validation.rules import select
     from megatron_recipes.validation.validate import validate_or_raise
 
-    cfg = _compose(recipe, user)
+    cfg = cfg if cfg is not None else _compose(recipe, user)
     validate_or_raise(cfg, recipe, rules=select(provided=PROVIDES))  # the recipe as written, on its own cluster
     small = shrink(cfg, max_ranks, None if full_depth else LAYERS_PER_CHUNK)
     notes = list(small.notes)
@@ -161,6 +162,17 @@ def main(argv: List[str]) -> int:
         print(f"usage: {PROG} <recipe> [key=value ...] [--max-ranks 8] [--steps 6] [--rtol 1e-5] [--dir DIR] [--full-depth]\n\n{__doc__}")
         return 0
     args = split_args(argv, PROG, FLAGS)
+    recipe_cfg = _compose(args.recipe, args.overrides)
+    # the ranks' server imports torch, megatron-core (and the tokenizer's library) while this process plans
+    ranks.context(tokenizers=recipe_cfg.data.kind == "sft")
+    try:
+        return _check(args, recipe_cfg)
+    finally:
+        ranks.stop()  # every run has ended (or was stopped) by now
+
+
+def _check(args, recipe_cfg: RunConfig) -> int:
+    """The check itself, once the ranks' server is starting: plan, refuse or run, compare."""
     max_ranks, steps = args.flags.get("max-ranks", 8), args.flags.get("steps", 6)
     timeout, rtol = args.flags.get("timeout", 900), args.flags.get("rtol", 1e-5)
     if steps < 3:
@@ -168,7 +180,8 @@ def main(argv: List[str]) -> int:
     stop = steps - 2
     given = args.flags.get("dir")
     cfg, small, planned, notes, out = plan_runs(
-        args.recipe, args.overrides, max_ranks, steps, stop, Path(given) if given else None, bool(args.flags.get("full-depth"))
+        args.recipe, args.overrides, max_ranks, steps, stop, Path(given) if given else None, bool(args.flags.get("full-depth")),
+        recipe_cfg,
     )
     layout_cfg = _compose(args.recipe, planned["layout"])
 
@@ -189,7 +202,7 @@ def main(argv: List[str]) -> int:
         shutil.rmtree(out)
     print(f"  runs in {out} (one log per run):", flush=True)
     results = {}
-    ranks = {"layout": derived.world_size(layout_cfg)}
+    world = {"layout": derived.world_size(layout_cfg)}
     for phase in PHASES:  # the runs of a phase are independent: they go side by side
         names = [name for name in phase if name in planned]
         if not names or ("reshard" in names and results["layout"].returncode != 0):
@@ -197,7 +210,7 @@ def main(argv: List[str]) -> int:
         totals = {"seed": 0, "layout": stop, "reweights": steps - stop}
         if "reweights" in planned:
             totals["reshard"] = steps - stop
-        jobs = [runs.Job(n, planned[n], out / n, totals.get(n, steps), ranks.get(n, 1)) for n in names]
+        jobs = [runs.Job(n, planned[n], out / n, totals.get(n, steps), world.get(n, 1)) for n in names]
         for result in runs.train_together(jobs, args.recipe, timeout):
             name = result.name
             results[name] = result

@@ -1,23 +1,23 @@
-"""The check's training runs: each is ``python -m megatron_recipes.train`` exactly as a user starts it.
+"""The check's training runs: each rank runs ``python -m megatron_recipes.train`` as a user starts it.
 
-Why subprocesses of the real entry point: the proof must cover what a user runs (composition, rule table,
-rank spawning, the trainer, checkpoints), not a re-creation of it. Per-step numbers come from each run's
-``log.jsonl`` (also read while a run goes, for its progress bar); the full output of each run is kept next to
-it (``<run>.log``). Runs that do not need each other's checkpoints go side by side (``train_together``):
-most of a tiny run is process start-up, which a second core overlaps.
+Why separate processes running the real entry point: the proof must cover what a user runs (composition,
+rule table, the trainer on real gloo ranks, checkpoints), not a re-creation of it. The ranks are forked
+from one preloaded server (check/ranks.py), so a run does not pay the imports again. Per-step numbers come
+from each run's ``log.jsonl`` (also read while a run goes, for its progress bar); the full output of each
+run is kept next to it (``<run>.log``). Runs that do not need each other's checkpoints go side by side
+(``train_together``): a second core overlaps them.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from megatron_recipes.check import ranks
 from megatron_recipes.progress import Progress
 from megatron_recipes.training.sinks import step_records
 
@@ -46,8 +46,8 @@ class RunResult:
 
 def _env(threads: Optional[int] = None) -> Dict[str, str]:
     env = dict(os.environ)
-    # A rendezvous left in this environment must not leak into the ranks the trainer starts.
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
+    # A rendezvous left in this environment must not leak into the ranks (check/ranks.py sets their own).
+    for name in ranks.LAUNCHER_VARS:
         env.pop(name, None)
     if threads is not None and "OMP_NUM_THREADS" not in env:  # runs side by side share the cores
         env["OMP_NUM_THREADS"] = str(threads)
@@ -63,11 +63,11 @@ def steps_logged(run_dir: Path) -> int:
         return 0
 
 
-def wait_all(procs: Sequence[subprocess.Popen], run_dirs: Sequence[Path], timeout: float, bar: Progress,
+def wait_all(procs: Sequence, run_dirs: Sequence[Path], timeout: float, bar: Progress,
              poll: float = 1.0, ended: Optional[Dict[int, float]] = None) -> List[int]:
-    """Each of ``procs``' exit code once all have ended (``ended``: index -> when each was seen ended);
-    meanwhile ``bar`` follows the steps they log together. Raises TimeoutExpired when ``timeout`` passes
-    first (the caller stops those still running)."""
+    """Each of ``procs``' (``ranks.Run`` or ``subprocess.Popen``) exit code once all have ended (``ended``:
+    index -> when each was seen ended); meanwhile ``bar`` follows the steps they log together. Raises
+    TimeoutExpired when ``timeout`` passes first (the caller stops those still running)."""
     deadline = time.perf_counter() + timeout
     ended = {} if ended is None else ended
     while True:
@@ -98,44 +98,47 @@ class Job:
     ranks: int = 1
 
 
-ENTRY = (sys.executable, "-m", "megatron_recipes.train")
+ENTRY = ("-m", "megatron_recipes.train")
+
+
+def _threads(job: Job, jobs: Sequence[Job]) -> Optional[int]:
+    """Intra-op threads per rank: one share of the cores (runs side by side share them; a lone
+    multi-rank run splits them as ``train``'s launcher does; a lone rank keeps torch's default)."""
+    ranks = sum(j.ranks for j in jobs) if len(jobs) > 1 else job.ranks
+    return max(1, (os.cpu_count() or 1) // ranks) if ranks > 1 else None
 
 
 def train_together(jobs: Sequence[Job], recipe: str, timeout: float, progress: bool = True,
                    entry: Sequence[str] = ENTRY) -> List[RunResult]:
-    """Run independent ``jobs`` side by side (each its own process group, output to ``<run_dir>.log``) and
-    return their results in ``jobs``' order. One progress bar counts their steps together. On timeout or
-    Ctrl-C every run still going is stopped with its whole process group (its ranks too): exit 124."""
-    threads = max(1, (os.cpu_count() or 1) // sum(j.ranks for j in jobs)) if len(jobs) > 1 else None
+    """Run independent ``jobs`` side by side (``job.ranks`` ranks each, forked by check/ranks.py, output to
+    ``<run_dir>.log``) and return their results in ``jobs``' order. One progress bar counts their steps
+    together. On timeout or Ctrl-C every run still going is stopped with the process groups of its
+    ranks (whatever they started too): exit 124. ``entry``: what ``python`` runs (``-m module`` or a script)."""
     start = time.perf_counter()
     procs, logs, ended_at = [], [], {}
     try:
         for job in jobs:
             job.run_dir.parent.mkdir(parents=True, exist_ok=True)
-            cmd = [*entry, recipe, *job.overrides, f"run.dir={job.run_dir}"]
-            out = open(job.run_dir.parent / f"{job.run_dir.name}.log", "w", encoding="utf-8")
-            logs.append(out)
-            out.write("$ " + " ".join(cmd) + "\n")
-            out.flush()
-            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(threads), start_new_session=True))
+            args = [recipe, *job.overrides, f"run.dir={job.run_dir}"]
+            log = job.run_dir.parent / f"{job.run_dir.name}.log"
+            logs.append(log)
+            log.write_text("$ " + " ".join(["python", *entry, *args]) + "\n", encoding="utf-8")
+            procs.append(ranks.start(entry, args, _env(_threads(job, jobs)), str(log), job.ranks))
         total = sum(j.steps for j in jobs)
         with Progress(f"  {', '.join(j.name for j in jobs)}", total=total or None, unit="steps",
                       enabled=progress and total > 0) as bar:
             codes = wait_all(procs, [j.run_dir for j in jobs], timeout, bar, ended=ended_at)
-    except BaseException:  # timeout or Ctrl-C: stop every run still going, with its whole process group
+    except BaseException:  # timeout or Ctrl-C: stop every run still going, with its ranks' process groups
         codes = []
-        for i, (proc, out) in enumerate(zip(procs, logs)):
+        for i, (proc, log) in enumerate(zip(procs, logs)):
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                out.write(f"\n[check] stopped after {time.perf_counter() - start:.0f}s\n")
+                proc.kill()
+                with open(log, "a", encoding="utf-8") as out:
+                    out.write(f"\n[check] stopped after {time.perf_counter() - start:.0f}s\n")
                 codes.append(124)
             else:
                 codes.append(proc.returncode)
             ended_at.setdefault(i, time.perf_counter())
         codes += [124] * (len(jobs) - len(codes))  # never started (Ctrl-C while starting)
-    finally:
-        for out in logs:
-            out.close()
     now = time.perf_counter()
     return [RunResult(j.name, c, ended_at.get(i, now) - start, j.run_dir) for i, (j, c) in enumerate(zip(jobs, codes))]

@@ -1,0 +1,172 @@
+"""The ranks of a check's runs: real processes, forked from one server that imported the stack once.
+
+Why: a tiny check is mostly interpreter start-up. Started as ``python -m megatron_recipes.train``, every
+run paid ~4 s of CPU importing torch, megatron-core, Hydra and the trainer, and a multi-rank run paid it
+once more per rank (``train``'s own process validating, then each torchrun rank). Here every rank of every
+run is forked from one ``forkserver`` (check/preload.py) started when the check starts, so the imports
+overlap the check's own planning and are paid once. A rank still is its own process, starting from the
+state a fresh interpreter reaches after those imports, with the environment a launcher gives it
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), its output in the run's log, in its own
+process group (a stopped run takes every process its ranks started with it), and it runs the very
+entry a user runs (``python -m megatron_recipes.train <recipe> [overrides]``): composition, the rule
+table, the trainer, checkpoints over gloo. Not exercised here: ``train``'s own local launcher (torchrun),
+which the check replaces by starting the ranks itself; the train command's tests cover it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import random
+import runpy
+import signal
+import subprocess
+import sys
+import time
+from multiprocessing import connection
+from typing import Dict, Optional, Sequence
+
+from megatron_recipes.runtime.distributed import free_port
+
+PRELOAD = ["megatron_recipes.check.preload"]
+# What a run with a Hugging Face tokenizer (fine-tuning data) loads it with: ~2 s of CPU per rank otherwise.
+TOKENIZER_PRELOAD = ["transformers.models.auto.tokenization_auto", "transformers.tokenization_utils_tokenizers"]
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+
+
+def context(tokenizers: bool = False):
+    """The forkserver context; its server starts here (preloading in the background) if not yet running,
+    with transformers' tokenizer loading too when ``tokenizers`` (a module it lacks is skipped).
+
+    One server per process (Python's forkserver is a per-process singleton): when another caller started
+    it with its own preload, ranks still start correctly, they import what that preload lacked."""
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD + (TOKENIZER_PRELOAD if tokenizers else []))
+    forkserver.ensure_running()
+    return ctx
+
+
+def stop() -> None:
+    """Stop this process's server now, when no rank of it runs any more. Ending with the check, it would
+    first finish its preload (seconds), holding the check's output open meanwhile (a caller reading that
+    output to its end, e.g. after an early recipe error, would wait for it)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # the stdlib's one server per process; it has no public stop
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None or not hasattr(server, "_stop"):
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    server._stop()
+
+
+def _rank(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: str) -> None:
+    """One rank, in the forked child: the run's environment and log, then ``python <entry> <argv>``."""
+    os.setpgid(0, 0)  # its own group: stopping the run stops whatever this rank starts (checkpoint writers)
+    os.environ.clear()  # the server's environment is that of its start: take the run's
+    os.environ.update(env)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")
+    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
+    random.seed()  # a fresh interpreter seeds these from OS entropy; forked ones would share the server's
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules and env.get("OMP_NUM_THREADS", "").isdigit():  # read at a fresh start only
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+    try:
+        if entry[0] == "-m":
+            sys.argv = [entry[1], *argv]
+            runpy.run_module(entry[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [entry[0], *entry[1:], *argv]
+            runpy.run_path(entry[0], run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()  # what a fresh interpreter runs at exit (the fork server's child would not)
+
+
+def _kill_group(pid: int, running: bool) -> None:
+    """SIGKILL to the process group a rank leads (it and what it started); to the rank alone when it is
+    ``running`` but has no group yet (just forked). An ended rank's pid is never signalled by itself:
+    once reaped, that number may belong to another process (a group's id is not reused while it lives)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        if running:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    except PermissionError:  # the number is no longer one of ours
+        pass
+
+
+class Run:
+    """The ranks of one run, waited on like one ``subprocess.Popen``: its exit code is the job's.
+
+    As torchrun does, the first rank that fails stops the others (a rank would wait for a dead peer
+    until the gloo timeout); the run's code is that rank's (a signal or a code above 127 becomes 1)."""
+
+    def __init__(self, ctx, entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: str, ranks: int):
+        self.args = [sys.executable, *entry, *argv]
+        self.returncode: Optional[int] = None
+        self._failed: Optional[int] = None
+        base = {k: v for k, v in env.items() if k not in LAUNCHER_VARS}
+        if ranks > 1:
+            base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks),
+                        LOCAL_WORLD_SIZE=str(ranks))
+        self.procs = []
+        for rank in range(ranks):
+            rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank)) if ranks > 1 else base
+            proc = ctx.Process(target=_rank, args=(tuple(entry), tuple(argv), rank_env, log), name=f"rank{rank}")
+            proc.start()
+            self.procs.append(proc)
+
+    @property
+    def pid(self) -> int:
+        return self.procs[0].pid
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is not None:
+            return self.returncode
+        codes = [p.exitcode for p in self.procs]
+        if self._failed is None:
+            self._failed = next((c for c in codes if c not in (None, 0)), None)
+            if self._failed is not None and None in codes:
+                self.kill()
+                codes = [p.exitcode for p in self.procs]
+        if None in codes:
+            return None
+        code = self._failed or 0
+        self.returncode = code if 0 <= code < 128 else 1
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            connection.wait([p.sentinel for p in self.procs if p.exitcode is None], left)
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL to every rank's process group (each rank with what it started); waits for the ranks."""
+        for proc in self.procs:
+            _kill_group(proc.pid, running=proc.exitcode is None)
+        for proc in self.procs:
+            proc.join()
+            _kill_group(proc.pid, running=False)  # a child the rank started just before it died
+
+
+def start(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: str, ranks: int) -> Run:
+    return Run(context(), entry, argv, env, log, ranks)
+
