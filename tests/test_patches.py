@@ -81,3 +81,27 @@ def test_wandb_is_imported_on_first_use():
         "    'real': type(real).__name__ == 'module' and real.init is init and timers.wandb.Image is real.Image}))"
     )
     assert _run(code) == {"before": False, "installed": True, "after": True, "real": True}
+
+
+def test_grad_norm_is_the_same_for_every_sharding():
+    """The gradient norm of one set of gradients, whole (one rank) and split in two (TP=2: each rank's norm
+    squared, summed, as megatron-core's get_grad_norm_fp32 all-reduces it), through megatron-core's own
+    clip_grads.l2_norm_impl: unpatched they part by more than check allows; patched they agree."""
+    code = (
+        "import json, torch\n"
+        "from megatron_recipes.runtime import patches\n"
+        "from megatron_recipes.runtime.cpu_lane import cuda_calls_on_cpu\n"
+        "from megatron.core.optimizer import clip_grads\n"
+        "g = [torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.01 for n in (524288, 49152, 128)]\n"
+        "def norm(ts):\n"
+        "    with cuda_calls_on_cpu(): return clip_grads.l2_norm_impl(65536, None, [ts], False)[0].double()\n"
+        "def apart():\n"
+        "    whole = norm(g)\n"
+        "    split = (norm([t[: t.numel() // 2] for t in g]) ** 2 + norm([t[t.numel() // 2:] for t in g]) ** 2).sqrt()\n"
+        "    return abs(whole - split).item() / whole.item()\n"
+        "before = apart(); patches.apply('cpu_lane'); after = apart()\n"
+        "print(json.dumps({'before': before, 'after': after}))"
+    )
+    found = _run(code)
+    assert found["before"] > 1e-6, found  # the defect the row fixes (drop the row when this fails)
+    assert found["after"] < 3e-7, found  # float32 results: a few ulps

@@ -63,6 +63,11 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def cuda_calls_on_cpu() -> TorchFunctionMode:
+    """The device rewrite alone, for a ``with`` block (probing a CUDA-only function without the lane)."""
+    return _CudaToCpuMode()
+
+
 class _NoOpStream:
     """Stand-in for ``torch.cuda.Stream``: CPU work is synchronous."""
 

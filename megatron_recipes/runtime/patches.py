@@ -162,6 +162,36 @@ def _te_general_gemm_undefined() -> bool:
     return not hasattr(moe_utils, "te_general_gemm")
 
 
+def _grad_norm_in_float64() -> None:
+    """megatron-core's fallback l2 norm (no Apex/TE) sums squares in float32 with ``torch.norm``, whose CPU
+    rounding depends on the tensor's length: the same gradients sharded two ways gave norms 1.6e-5 apart
+    (a 524288-element tensor is off 4.4e-6 on its own), above what ``check`` allows a layout. Summing in
+    float64 makes the norm the same for every sharding (a float32 result, as before)."""
+    from megatron.core.optimizer import clip_grads
+
+    def l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+        squares = [t.detach().double().square().sum() for tensors in tensor_lists for t in tensors]
+        total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
+        return total.float().reshape(1), None
+
+    l2_norm._megatron_recipes = True
+    clip_grads.l2_norm_impl = l2_norm
+
+
+def _grad_norm_rounds_in_float32() -> bool:
+    from megatron.core.optimizer import clip_grads
+
+    if getattr(clip_grads.l2_norm_impl, "__module__", "").startswith(("amp_C", "transformer_engine")):
+        return False  # Apex/TE kernels are not this fallback
+    from megatron_recipes.runtime.cpu_lane import cuda_calls_on_cpu
+
+    grad = torch.randn(524288, generator=torch.Generator().manual_seed(0))
+    exact = grad.double().norm().item()
+    with cuda_calls_on_cpu():  # the fallback makes its result with device="cuda"
+        got = clip_grads.l2_norm_impl(2048 * 32, None, [[grad]], False)[0].item()
+    return abs(got - exact) / exact > 1e-6
+
+
 def _fsdp_telinear_class() -> None:
     from megatron.core.distributed.fsdp import mcore_fsdp_adapter
 
@@ -448,6 +478,11 @@ PATCHES: List[Patch] = [
     Patch("moe-te-general-gemm", "cpu_lane", "megatron.core.transformer.moe.moe_utils:te_general_gemm", ("0.16", None),
           "the router's GEMM helper tests a name left undefined when Transformer Engine is absent",
           "tests/test_parallel_equivalence.py", _define_te_general_gemm, _te_general_gemm_undefined, without_cuda=True),
+    Patch("grad-norm-float64", "cpu_lane", "megatron.core.optimizer.clip_grads:l2_norm_impl", ("0.16", None),
+          "without Apex/TE the gradient norm is a float32 torch.norm whose CPU rounding depends on how a tensor is "
+          "sharded: one model's norm differed 1.6e-5 between TP=1 and TP=2, so check called a right layout wrong",
+          "tests/test_patches.py::test_grad_norm_is_the_same_for_every_sharding", _grad_norm_in_float64,
+          _grad_norm_rounds_in_float32, without_cuda=True),
     Patch("fsdp-telinear", "cpu_lane", "megatron.core.distributed.fsdp.mcore_fsdp_adapter:TELinear", ("0.16", None),
           "Megatron-FSDP's adapter calls isinstance(module, TELinear); without TE that is a MagicMock, not a class",
           "tests/test_sharding_equivalence.py", _fsdp_telinear_class, _fsdp_telinear_not_a_class, without_cuda=True),
