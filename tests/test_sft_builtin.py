@@ -16,26 +16,54 @@ from megatron_recipes.data.sft import builtin_tasks
 from megatron_recipes.training import step
 
 
+def _family(question: str):
+    """(family, content word, wording index) of a generated question, found from the wordings."""
+    for family, (words, _, wordings) in builtin_tasks.FAMILIES.items():
+        for i, wording in enumerate(wordings):
+            head, tail = wording.split("{}")
+            if question.startswith(head) and question.endswith(tail):
+                word = question[len(head): len(question) - len(tail)]
+                if word in words:
+                    return family, word, i
+    raise AssertionError(f"no family words {question!r}")
+
+
 def test_records_are_deterministic_and_answers_checkable():
-    a, b = builtin_tasks.records(7, 200), builtin_tasks.records(7, 200)
-    assert a == b and a != builtin_tasks.records(8, 200)
+    a, b = builtin_tasks.records(7, 400), builtin_tasks.records(7, 400)
+    assert a == b and a != builtin_tasks.records(8, 400)
     answers = {}
     for r in a:
         question, answer = r["messages"][0]["content"], r["messages"][1]["content"]
-        lines = question.split("\n")
-        if lines[0] == "Copy this line:":
-            family = "copy"
-            assert answer == lines[1] and answer.startswith("key = ")
-        else:
-            family = "lookup"
-            held = dict(line.split(" = ") for line in lines[:-1])
-            asked = lines[-1].removeprefix("What is ").removesuffix("?")
-            assert answer == f"{asked} = {held[asked]}"
+        family, word, _ = _family(question)
+        assert answer == (word if family == "repeat" else builtin_tasks.OPPOSITE[word])
         answers.setdefault(family, []).append(answer)
     # no class prior: in every family the most common answer is a small share (a constant guess scores ~0)
-    assert sorted(answers) == ["copy", "lookup"]
+    assert sorted(answers) == ["opposite", "repeat"]
     for family in answers.values():
-        assert max(family.count(x) for x in set(family)) / len(family) < 0.1, family
+        assert len(set(family)) >= 30 and max(family.count(x) for x in set(family)) / len(family) < 0.1, family
+
+
+def test_the_answer_word_is_the_only_content_word_of_the_prompt():
+    """No word of a wording is a content word, so finding the answer's word needs no position rule."""
+    content = set(builtin_tasks.WORDS) | set(builtin_tasks.OPPOSITE)
+    assert not set(builtin_tasks.WORDS) & set(builtin_tasks.OPPOSITE)
+    for _, _, wordings in builtin_tasks.FAMILIES.values():
+        for wording in wordings:
+            words = wording.replace("{}", " ").replace("?", " ").replace(".", " ").replace(":", " ").split()
+            assert not {w.lower() for w in words} & content, wording
+
+
+def test_no_validation_prompt_is_seen_in_training():
+    train = {r["messages"][0]["content"] for r in builtin_tasks.records(1, builtin_tasks.TRAIN_SAMPLES)}
+    valid = builtin_tasks.records(2, builtin_tasks.VALID_SAMPLES, valid=True)
+    assert not {r["messages"][0]["content"] for r in valid} & train
+    # ... while every validation answer and every wording of its family is trained (the split tests
+    # the combination, not an answer the head never saw)
+    seen = {(_family(q)[0], r) for q, r in ((r["messages"][0]["content"], r["messages"][1]["content"])
+                                            for r in builtin_tasks.records(1, builtin_tasks.TRAIN_SAMPLES))}
+    for r in valid:
+        family, _, _ = _family(r["messages"][0]["content"])
+        assert (family, r["messages"][1]["content"]) in seen
 
 
 def test_builtin_files_written_once_with_a_validation_split(tmp_path):
@@ -44,6 +72,15 @@ def test_builtin_files_written_once_with_a_validation_split(tmp_path):
     assert len(lines) == builtin_tasks.TRAIN_SAMPLES and "messages" in json.loads(lines[0])
     assert valid and len(open(valid).read().splitlines()) == builtin_tasks.VALID_SAMPLES
     assert builtin_tasks.resolve_paths("my.jsonl", None, str(tmp_path)) == ("my.jsonl", None)
+    assert builtin_tasks.resolve_paths("builtin", None, str(tmp_path)) == (train, valid)
+
+
+def test_a_changed_generator_gets_new_files(tmp_path, monkeypatch):
+    """The cache key is the generated content: a generator edit cannot reuse the files of the old one."""
+    train, _ = builtin_tasks.resolve_paths("builtin", None, str(tmp_path))
+    monkeypatch.setitem(builtin_tasks.FAMILIES, "repeat", (builtin_tasks.WORDS, str.upper, ("Shout {}",) * 3))
+    changed, _ = builtin_tasks.resolve_paths("builtin", None, str(tmp_path))
+    assert changed != train and "SELF" in open(changed).read() and "SELF" not in open(train).read()
 
 
 def test_answer_counts_runs_of_answer_tokens():

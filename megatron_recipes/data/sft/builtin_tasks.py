@@ -1,72 +1,87 @@
 """A built-in chat data set with checkable answers: fine-tuning with no file to write and no download.
 
-``data.sft_path=builtin`` selects it. Each record is one user question and one short assistant answer from
-a few generated copy-style task families over identifiers common in Python source (the built-in corpus),
-each one token of the built-in tokenizer alone and after a space: copy a line ``key = <word>`` or
-``key = <word> <word>``, and answer which word a variable holds (``x = .. y = .. z = .. What is y?`` ->
-``y = <word>``). Every family has ~44 distinct answers and no class prior (unlike parity), so a constant
-guess scores ~2%: a rising accuracy means the copy is learned. Answers are exact strings, so the trainer
+``data.sft_path=builtin`` selects it. Each record is one user question and a one-word assistant answer
+that depends on the one content word of the question, so a small model can learn it with a single
+attention step (find that word) and its head (name the answer). Two families, each worded three ways:
+repeat a word (``Repeat the word: node`` -> ``node``) and name a word's opposite from a fixed table
+(``Opposite of open?`` -> ``close``). Every content word and answer is a single token of the built-in
+tokenizer alone and after a space, and no word of a wording is a content word, so the answer's word is
+the only one of its kind in the prompt. Each family has ~34 equally likely answers (a constant guess
+scores ~3%, no class prior). The split is honest: for every word one wording is held out, so no
+validation prompt occurs in training (its word and its wording do, in other combinations). The trainer
 measures task accuracy on the validation split (an answer counts as right when greedy decoding would
-produce it: every answer token is the model's most likely one, here checked as probability > 1/2).
-Deterministic: same seed, same files; written once into the data cache like the built-in corpus.
+produce it: every answer token is the model's most likely one, checked as probability > 1/2).
+Deterministic: same seed, same files; cached under a key of the generated content, so a changed
+generator never reuses stale files.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_recipes.data import artifact_cache as cache
 
 BUILTIN = "builtin"
-FORMAT_VERSION = 5
-TRAIN_SAMPLES, VALID_SAMPLES = 4000, 256
-# single tokens of the built-in tokenizer both alone and after a space (checked when the set was made)
-WORDS = ("self", "name", "value", "path", "data", "return", "list", "dict", "type", "key", "item", "line", "text",
-         "file", "args", "result", "index", "count", "size", "start", "node", "code", "mode", "base", "module",
-         "class", "import", "object", "string", "number", "error", "test", "info", "stream", "buffer", "format",
-         "config", "label", "token", "state", "parent", "source", "target", "output")
+TRAIN_SAMPLES, VALID_SAMPLES = 4000, 512
+# single tokens of the built-in tokenizer both alone and after a space (checked when the sets were made)
+WORDS = ("self", "name", "data", "list", "dict", "type", "item", "text", "file", "args", "result", "index",
+         "count", "size", "node", "code", "mode", "base", "module", "class", "object", "string", "number",
+         "error", "test", "info", "stream", "buffer", "format", "config", "label", "token", "state", "source")
+PAIRS = (("open", "close"), ("start", "stop"), ("read", "write"), ("get", "set"), ("first", "last"),
+         ("min", "max"), ("left", "right"), ("input", "output"), ("push", "pop"), ("before", "after"),
+         ("add", "remove"), ("encode", "decode"), ("old", "new"), ("parent", "child"), ("src", "dst"),
+         ("row", "col"), ("key", "value"))
+OPPOSITE = {**dict(PAIRS), **{b: a for a, b in PAIRS}}
+# each family: (its content words, the answer for a word, its wordings with {} for the word)
+FAMILIES = {
+    "repeat": (WORDS, lambda w: w, ("Repeat the word: {}", "Say {} again.", "Echo this word:\n{}")),
+    "opposite": (tuple(OPPOSITE), OPPOSITE.__getitem__, ("Opposite of {}?", "What is the opposite of {}?",
+                                                         "{} is the opposite of what?")),
+}
 
 
-def _task(rng: random.Random) -> Tuple[str, Optional[str]]:
-    """(question, answer); answer None means: the question's second line (copy tasks)."""
-    kind = rng.randrange(4)
-    if kind == 0:
-        return f"Copy this line:\nkey = {rng.choice(WORDS)}", None
-    if kind == 1:
-        a, b = rng.sample(WORDS, 2)
-        return f"Copy this line:\nkey = {a} {b}", None
-    # kinds 2 and 3: the variable-lookup family, half of all records
-    names = ("x", "y", "z")
-    words = rng.sample(WORDS, 3)
-    asked = rng.randrange(3)
-    question = "\n".join(f"{n} = {w}" for n, w in zip(names, words)) + f"\nWhat is {names[asked]}?"
-    return question, f"{names[asked]} = {words[asked]}"
+def held_out(words: Sequence[str], word: str, wording: int) -> bool:
+    """Whether (word, wording) belongs to the validation split: one wording per word, rotating."""
+    return words.index(word) % 3 == wording
 
 
-def records(seed: int, count: int) -> List[Dict]:
+def _task(rng: random.Random, valid: bool) -> Tuple[str, str]:
+    """(question, answer) of a random family; drawn from the validation or the training combinations."""
+    words, answer, wordings = FAMILIES[rng.choice(sorted(FAMILIES))]
+    word = rng.choice(words)
+    choices = [i for i in range(len(wordings)) if held_out(words, word, i) == valid]
+    return wordings[rng.choice(choices)].format(word), answer(word)
+
+
+def records(seed: int, count: int, valid: bool = False) -> List[Dict]:
     """``count`` chat records ({"messages": [user, assistant]}) from a generator seeded with ``seed``."""
     rng = random.Random(seed)
     out = []
     for _ in range(count):
-        question, answer = _task(rng)
-        answer = answer or question.split("\n", 1)[1]
+        question, answer = _task(rng, valid)
         out.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]})
     return out
 
 
 def ensure_files(cache_dir: Optional[str]) -> Tuple[Path, Path]:
-    """(train.jsonl, valid.jsonl) of the built-in set, written once into the data cache."""
-    final = cache.cache_root(cache_dir) / "sft_builtin" / cache.content_key(
-        {"format_version": FORMAT_VERSION, "train": TRAIN_SAMPLES, "valid": VALID_SAMPLES}
-    )
+    """(train.jsonl, valid.jsonl) of the built-in set, written once into the data cache.
+
+    The generated text is cheap to make, so it is made first and its hash is the cache key: files from an
+    older generator are never reused."""
+    texts = {
+        name: "".join(json.dumps(r) + "\n" for r in records(seed, count, valid=name == "valid"))
+        for name, seed, count in (("train", 1, TRAIN_SAMPLES), ("valid", 2, VALID_SAMPLES))
+    }
+    digest = {name: hashlib.sha256(text.encode("utf-8")).hexdigest() for name, text in texts.items()}
+    final = cache.cache_root(cache_dir) / "sft_builtin" / cache.content_key(digest)
 
     def build(tmp: Path) -> dict:
-        for name, seed, count in (("train", 1, TRAIN_SAMPLES), ("valid", 2, VALID_SAMPLES)):
-            lines = "".join(json.dumps(r) + "\n" for r in records(seed, count))
-            (tmp / f"{name}.jsonl").write_text(lines, encoding="utf-8")
+        for name, text in texts.items():
+            (tmp / f"{name}.jsonl").write_text(text, encoding="utf-8")
         return {"train": TRAIN_SAMPLES, "valid": VALID_SAMPLES}
 
     cache.build_once(final, build)
