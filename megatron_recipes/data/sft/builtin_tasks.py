@@ -1,8 +1,9 @@
 """A built-in chat data set with checkable answers: fine-tuning with no file to write and no download.
 
 ``data.sft_path=builtin`` selects it. Each record is one user question and a one-word assistant answer
-that depends on the one content word of the question, so a small model can learn it with a single
-attention step (find that word) and its head (name the answer). Two families, each worded three ways:
+that depends on the one content word of the question (one attention step finds it, the head names the
+answer; the tiny base after the main job does not learn that step in 100 steps yet, see README's
+fine-tuning section). Two families, each worded three ways:
 repeat a word (``Repeat the word: node`` -> ``node``) and name a word's opposite from a fixed table
 (``Opposite of open?`` -> ``close``). Every content word and answer is a single token of the built-in
 tokenizer alone and after a space, and no word of a wording is a content word, so the answer's word is
