@@ -1,18 +1,18 @@
 """A built-in chat data set with checkable answers: fine-tuning with no file to write and no download.
 
-``data.sft_path=builtin`` selects it. Each record is one user question and a one-word assistant answer
-that depends on the one content word of the question (one attention step finds it, the head names the
-answer; the tiny base after the main job does not learn that step in 100 steps yet, see README's
-fine-tuning section). Two families, each worded three ways:
-repeat a word (``Repeat the word: node`` -> ``node``) and name a word's opposite from a fixed table
-(``Opposite of open?`` -> ``close``). Every content word and answer is a single token of the built-in
-tokenizer alone and after a space, and no word of a wording is a content word, so the answer's word is
-the only one of its kind in the prompt. Each family has ~34 equally likely answers (a constant guess
-scores ~3%, no class prior). The split is honest: for every word one wording is held out, so no
-validation prompt occurs in training (its word and its wording do, in other combinations). The trainer
-measures task accuracy on the validation split (an answer counts as right when greedy decoding would
-produce it: every answer token is the model's most likely one, checked as probability > 1/2).
-Deterministic: same seed, same files; cached under a key of the generated content, so a changed
+``data.sft_path=builtin`` selects it. Each record asks for the type of a Python literal and the assistant
+answers with one word (``What type is [3, 'node']?`` -> ``list``): six types (int, float, str, list,
+tuple, dict), equally likely, each worded three ways, so a constant guess is right 1/6 of the time and the
+strict metric below scores it 0. The answer is Python's own ``type(ast.literal_eval(x)).__name__``
+(tested), and the split is honest: validation literals are never training literals (a hash of the
+literal picks its split), so a right validation answer means the rule was learned, not the example.
+Why this task: the tiny base after README's main job (1.9M parameters, 300 steps of Python source) cannot
+yet carry an arbitrary word across the chat template's ~17 tokens (measured: repeat-a-word and
+opposite-of-a-word tasks stayed at 0.0% through 300 LoRA steps), but it does see which kinds of tokens a
+literal is made of (quotes, brackets, braces, a decimal point), which is what this task needs.
+The trainer measures task accuracy on the validation split (an answer counts as right when greedy
+decoding would produce it: every answer token is the model's most likely one, checked as probability
+> 1/2). Deterministic: same seed, same files; cached under a key of the generated content, so a changed
 generator never reuses stale files.
 """
 
@@ -21,41 +21,54 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import zlib
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megatron_recipes.data import artifact_cache as cache
 
 BUILTIN = "builtin"
 TRAIN_SAMPLES, VALID_SAMPLES = 4000, 512
-# single tokens of the built-in tokenizer both alone and after a space (checked when the sets were made)
-WORDS = ("self", "name", "data", "list", "dict", "type", "item", "text", "file", "args", "result", "index",
-         "count", "size", "node", "code", "mode", "base", "module", "class", "object", "string", "number",
-         "error", "test", "info", "stream", "buffer", "format", "config", "label", "token", "state", "source")
-PAIRS = (("open", "close"), ("start", "stop"), ("read", "write"), ("get", "set"), ("first", "last"),
-         ("min", "max"), ("left", "right"), ("input", "output"), ("push", "pop"), ("before", "after"),
-         ("add", "remove"), ("encode", "decode"), ("old", "new"), ("parent", "child"), ("src", "dst"),
-         ("row", "col"), ("key", "value"))
-OPPOSITE = {**dict(PAIRS), **{b: a for a, b in PAIRS}}
-# each family: (its content words, the answer for a word, its wordings with {} for the word)
-FAMILIES = {
-    "repeat": (WORDS, lambda w: w, ("Repeat the word: {}", "Say {} again.", "Echo this word:\n{}")),
-    "opposite": (tuple(OPPOSITE), OPPOSITE.__getitem__, ("Opposite of {}?", "What is the opposite of {}?",
-                                                         "{} is the opposite of what?")),
-}
+TYPES = ("int", "float", "str", "list", "tuple", "dict")
+# identifiers common in Python source (the main job's corpus); none is a type name
+WORDS = ("name", "value", "path", "data", "key", "item", "line", "text", "file", "node", "mode", "base",
+         "state", "label", "token", "size", "count", "index")
+WORDINGS = ("What is type({})?", "What type is {}?", "Name the type of {}")
 
 
-def held_out(words: Sequence[str], word: str, wording: int) -> bool:
-    """Whether (word, wording) belongs to the validation split: one wording per word, rotating."""
-    return words.index(word) % 3 == wording
+def _atom(rng: random.Random) -> str:
+    return str(rng.randrange(100)) if rng.random() < 0.5 else repr(rng.choice(WORDS))
+
+
+def literal(kind: str, rng: random.Random) -> str:
+    """A random Python literal of type ``kind``, written as in source code."""
+    if kind == "int":
+        return str(rng.randrange(-50, 10000))
+    if kind == "float":
+        return f"{rng.randrange(1000)}.{rng.randrange(1, 100)}"
+    if kind == "str":
+        word = rng.choice(WORDS)
+        return repr(word) if rng.random() < 0.5 else f'"{word}"'
+    if kind == "list":
+        return "[" + ", ".join(_atom(rng) for _ in range(rng.randrange(1, 4))) + "]"
+    if kind == "tuple":
+        items = [_atom(rng) for _ in range(rng.randrange(1, 4))]
+        return f"({items[0]},)" if len(items) == 1 else "(" + ", ".join(items) + ")"
+    return "{" + ", ".join(f"{rng.choice(WORDS)!r}: {_atom(rng)}" for _ in range(rng.randrange(1, 3))) + "}"
+
+
+def in_validation(text: str) -> bool:
+    """A literal's split, from its text: one in four literals is validation-only."""
+    return zlib.crc32(text.encode("utf-8")) % 4 == 0
 
 
 def _task(rng: random.Random, valid: bool) -> Tuple[str, str]:
-    """(question, answer) of a random family; drawn from the validation or the training combinations."""
-    words, answer, wordings = FAMILIES[rng.choice(sorted(FAMILIES))]
-    word = rng.choice(words)
-    choices = [i for i in range(len(wordings)) if held_out(words, word, i) == valid]
-    return wordings[rng.choice(choices)].format(word), answer(word)
+    """(question, answer) drawn from the validation or the training literals."""
+    kind = rng.choice(TYPES)  # drawn first, so the six answers stay equally likely in both splits
+    while True:
+        text = literal(kind, rng)
+        if in_validation(text) == valid:
+            return rng.choice(WORDINGS).format(text), kind
 
 
 def records(seed: int, count: int, valid: bool = False) -> List[Dict]:
