@@ -3,6 +3,7 @@ that tells a user to run the main job first."""
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 
@@ -16,26 +17,40 @@ from megatron_recipes.data.sft import builtin_tasks
 from megatron_recipes.training import step
 
 
-def test_records_are_deterministic_and_answers_checkable():
-    a, b = builtin_tasks.records(7, 200), builtin_tasks.records(7, 200)
-    assert a == b and a != builtin_tasks.records(8, 200)
-    answers = {}
+def _literal(question: str) -> str:
+    """The literal a generated question asks about, found from the wordings."""
+    for wording in builtin_tasks.WORDINGS:
+        head, tail = wording.split("{}")
+        if question.startswith(head) and question.endswith(tail):
+            return question[len(head): len(question) - len(tail)]
+    raise AssertionError(f"no wording matches {question!r}")
+
+
+def test_records_are_deterministic_and_answers_are_pythons_own():
+    a, b = builtin_tasks.records(7, 600), builtin_tasks.records(7, 600)
+    assert a == b and a != builtin_tasks.records(8, 600)
+    answers = []
     for r in a:
         question, answer = r["messages"][0]["content"], r["messages"][1]["content"]
-        lines = question.split("\n")
-        if lines[0] == "Copy this line:":
-            family = "copy"
-            assert answer == lines[1] and answer.startswith("key = ")
-        else:
-            family = "lookup"
-            held = dict(line.split(" = ") for line in lines[:-1])
-            asked = lines[-1].removeprefix("What is ").removesuffix("?")
-            assert answer == f"{asked} = {held[asked]}"
-        answers.setdefault(family, []).append(answer)
-    # no class prior: in every family the most common answer is a small share (a constant guess scores ~0)
-    assert sorted(answers) == ["copy", "lookup"]
-    for family in answers.values():
-        assert max(family.count(x) for x in set(family)) / len(family) < 0.1, family
+        assert answer == type(ast.literal_eval(_literal(question))).__name__, question
+        assert answer not in question  # the prompt never names its answer
+        answers.append(answer)
+    # no class prior: every type is about 1/6 of the answers (a constant guess is right ~17% of the time,
+    # never with probability > 1/2, so it scores 0 on the strict metric)
+    assert sorted(set(answers)) == sorted(builtin_tasks.TYPES)
+    assert max(answers.count(t) for t in builtin_tasks.TYPES) / len(answers) < 0.22, answers
+
+
+def test_no_validation_literal_is_seen_in_training():
+    train = builtin_tasks.records(1, builtin_tasks.TRAIN_SAMPLES)
+    valid = builtin_tasks.records(2, builtin_tasks.VALID_SAMPLES, valid=True)
+    seen = {_literal(r["messages"][0]["content"]) for r in train}
+    assert not {_literal(r["messages"][0]["content"]) for r in valid} & seen
+    # ... while every type and every wording is trained (the split tests new literals, not a new answer)
+    assert {r["messages"][1]["content"] for r in valid} == {r["messages"][1]["content"] for r in train}
+    for wording in builtin_tasks.WORDINGS:
+        head = wording.split("{}")[0]
+        assert any(r["messages"][0]["content"].startswith(head) for r in train)
 
 
 def test_builtin_files_written_once_with_a_validation_split(tmp_path):
@@ -44,6 +59,15 @@ def test_builtin_files_written_once_with_a_validation_split(tmp_path):
     assert len(lines) == builtin_tasks.TRAIN_SAMPLES and "messages" in json.loads(lines[0])
     assert valid and len(open(valid).read().splitlines()) == builtin_tasks.VALID_SAMPLES
     assert builtin_tasks.resolve_paths("my.jsonl", None, str(tmp_path)) == ("my.jsonl", None)
+    assert builtin_tasks.resolve_paths("builtin", None, str(tmp_path)) == (train, valid)
+
+
+def test_a_changed_generator_gets_new_files(tmp_path, monkeypatch):
+    """The cache key is the generated content: a generator edit cannot reuse the files of the old one."""
+    train, _ = builtin_tasks.resolve_paths("builtin", None, str(tmp_path))
+    monkeypatch.setattr(builtin_tasks, "WORDINGS", ("Shout the type of {}",) * 3)
+    changed, _ = builtin_tasks.resolve_paths("builtin", None, str(tmp_path))
+    assert changed != train and "Shout" in open(changed).read() and "Shout" not in open(train).read()
 
 
 def test_answer_counts_runs_of_answer_tokens():
@@ -70,11 +94,6 @@ def test_missing_main_job_checkpoint_says_run_it_first(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="measured: the small base does not copy. The built-in tasks are copy tasks "
-                   "('key = <word>' -> the same line, 'x = .. y = .. What is y?' -> 'y = <word>', 44 words, no class "
-                   "prior); after README's main job, LoRA + trained head learn every fixed token (p>0.98) but the "
-                   "copied word stays at p=0.02 (1/44, the answer prior) through 300 steps: accuracy 0.0% at every "
-                   "evaluation. Even at step 0 the base gives the word after a 'key =' seen in the prompt p<0.01")
 def test_lora_after_the_main_job_logs_rising_task_accuracy(tmp_path):
     """The README's order in miniature: a short main job, then tiny_llama_lora with no data or checkpoint
     argument (its defaults find both); the accuracy it logs at step 0 and after training must rise."""

@@ -1,72 +1,101 @@
 """A built-in chat data set with checkable answers: fine-tuning with no file to write and no download.
 
-``data.sft_path=builtin`` selects it. Each record is one user question and one short assistant answer from
-a few generated copy-style task families over identifiers common in Python source (the built-in corpus),
-each one token of the built-in tokenizer alone and after a space: copy a line ``key = <word>`` or
-``key = <word> <word>``, and answer which word a variable holds (``x = .. y = .. z = .. What is y?`` ->
-``y = <word>``). Every family has ~44 distinct answers and no class prior (unlike parity), so a constant
-guess scores ~2%: a rising accuracy means the copy is learned. Answers are exact strings, so the trainer
-measures task accuracy on the validation split (an answer counts as right when greedy decoding would
-produce it: every answer token is the model's most likely one, here checked as probability > 1/2).
-Deterministic: same seed, same files; written once into the data cache like the built-in corpus.
+``data.sft_path=builtin`` selects it. Each record asks for the type of a Python literal and the assistant
+answers with one word (``What type is [3, 'node']?`` -> ``list``): six types (int, float, str, list,
+tuple, dict), equally likely, each worded three ways, so a constant guess is right 1/6 of the time and the
+strict metric below scores it 0. The answer is Python's own ``type(ast.literal_eval(x)).__name__``
+(tested), and the split is honest: validation literals are never training literals (a hash of the
+literal picks its split), so a right validation answer means the rule was learned, not the example.
+Why this task: the tiny base after README's main job (1.9M parameters, 300 steps of Python source) cannot
+yet carry an arbitrary word across the chat template's ~17 tokens (measured: repeat-a-word and
+opposite-of-a-word tasks stayed at 0.0% through 300 LoRA steps), but it does see which kinds of tokens a
+literal is made of (quotes, brackets, braces, a decimal point), which is what this task needs.
+The trainer measures task accuracy on the validation split (an answer counts as right when greedy
+decoding would produce it: every answer token is the model's most likely one, checked as probability
+> 1/2). Deterministic: same seed, same files; cached under a key of the generated content, so a changed
+generator never reuses stale files.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+import zlib
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from megatron_recipes.data import artifact_cache as cache
 
 BUILTIN = "builtin"
-FORMAT_VERSION = 5
-TRAIN_SAMPLES, VALID_SAMPLES = 4000, 256
-# single tokens of the built-in tokenizer both alone and after a space (checked when the set was made)
-WORDS = ("self", "name", "value", "path", "data", "return", "list", "dict", "type", "key", "item", "line", "text",
-         "file", "args", "result", "index", "count", "size", "start", "node", "code", "mode", "base", "module",
-         "class", "import", "object", "string", "number", "error", "test", "info", "stream", "buffer", "format",
-         "config", "label", "token", "state", "parent", "source", "target", "output")
+TRAIN_SAMPLES, VALID_SAMPLES = 4000, 512
+TYPES = ("int", "float", "str", "list", "tuple", "dict")
+# identifiers common in Python source (the main job's corpus); none is a type name
+WORDS = ("name", "value", "path", "data", "key", "item", "line", "text", "file", "node", "mode", "base",
+         "state", "label", "token", "size", "count", "index")
+WORDINGS = ("What is type({})?", "What type is {}?", "Name the type of {}")
 
 
-def _task(rng: random.Random) -> Tuple[str, Optional[str]]:
-    """(question, answer); answer None means: the question's second line (copy tasks)."""
-    kind = rng.randrange(4)
-    if kind == 0:
-        return f"Copy this line:\nkey = {rng.choice(WORDS)}", None
-    if kind == 1:
-        a, b = rng.sample(WORDS, 2)
-        return f"Copy this line:\nkey = {a} {b}", None
-    # kinds 2 and 3: the variable-lookup family, half of all records
-    names = ("x", "y", "z")
-    words = rng.sample(WORDS, 3)
-    asked = rng.randrange(3)
-    question = "\n".join(f"{n} = {w}" for n, w in zip(names, words)) + f"\nWhat is {names[asked]}?"
-    return question, f"{names[asked]} = {words[asked]}"
+def _atom(rng: random.Random) -> str:
+    return str(rng.randrange(100)) if rng.random() < 0.5 else repr(rng.choice(WORDS))
 
 
-def records(seed: int, count: int) -> List[Dict]:
+def literal(kind: str, rng: random.Random) -> str:
+    """A random Python literal of type ``kind``, written as in source code."""
+    if kind == "int":
+        return str(rng.randrange(-50, 10000))
+    if kind == "float":
+        return f"{rng.randrange(1000)}.{rng.randrange(1, 100)}"
+    if kind == "str":
+        word = rng.choice(WORDS)
+        return repr(word) if rng.random() < 0.5 else f'"{word}"'
+    if kind == "list":
+        return "[" + ", ".join(_atom(rng) for _ in range(rng.randrange(1, 4))) + "]"
+    if kind == "tuple":
+        items = [_atom(rng) for _ in range(rng.randrange(1, 4))]
+        return f"({items[0]},)" if len(items) == 1 else "(" + ", ".join(items) + ")"
+    return "{" + ", ".join(f"{rng.choice(WORDS)!r}: {_atom(rng)}" for _ in range(rng.randrange(1, 3))) + "}"
+
+
+def in_validation(text: str) -> bool:
+    """A literal's split, from its text: one in four literals is validation-only."""
+    return zlib.crc32(text.encode("utf-8")) % 4 == 0
+
+
+def _task(rng: random.Random, valid: bool) -> Tuple[str, str]:
+    """(question, answer) drawn from the validation or the training literals."""
+    kind = rng.choice(TYPES)  # drawn first, so the six answers stay equally likely in both splits
+    while True:
+        text = literal(kind, rng)
+        if in_validation(text) == valid:
+            return rng.choice(WORDINGS).format(text), kind
+
+
+def records(seed: int, count: int, valid: bool = False) -> List[Dict]:
     """``count`` chat records ({"messages": [user, assistant]}) from a generator seeded with ``seed``."""
     rng = random.Random(seed)
     out = []
     for _ in range(count):
-        question, answer = _task(rng)
-        answer = answer or question.split("\n", 1)[1]
+        question, answer = _task(rng, valid)
         out.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]})
     return out
 
 
 def ensure_files(cache_dir: Optional[str]) -> Tuple[Path, Path]:
-    """(train.jsonl, valid.jsonl) of the built-in set, written once into the data cache."""
-    final = cache.cache_root(cache_dir) / "sft_builtin" / cache.content_key(
-        {"format_version": FORMAT_VERSION, "train": TRAIN_SAMPLES, "valid": VALID_SAMPLES}
-    )
+    """(train.jsonl, valid.jsonl) of the built-in set, written once into the data cache.
+
+    The generated text is cheap to make, so it is made first and its hash is the cache key: files from an
+    older generator are never reused."""
+    texts = {
+        name: "".join(json.dumps(r) + "\n" for r in records(seed, count, valid=name == "valid"))
+        for name, seed, count in (("train", 1, TRAIN_SAMPLES), ("valid", 2, VALID_SAMPLES))
+    }
+    digest = {name: hashlib.sha256(text.encode("utf-8")).hexdigest() for name, text in texts.items()}
+    final = cache.cache_root(cache_dir) / "sft_builtin" / cache.content_key(digest)
 
     def build(tmp: Path) -> dict:
-        for name, seed, count in (("train", 1, TRAIN_SAMPLES), ("valid", 2, VALID_SAMPLES)):
-            lines = "".join(json.dumps(r) + "\n" for r in records(seed, count))
-            (tmp / f"{name}.jsonl").write_text(lines, encoding="utf-8")
+        for name, text in texts.items():
+            (tmp / f"{name}.jsonl").write_text(text, encoding="utf-8")
         return {"train": TRAIN_SAMPLES, "valid": VALID_SAMPLES}
 
     cache.build_once(final, build)
