@@ -1,10 +1,12 @@
-"""Debug check: no storage of a tensor handed to an unfinished gloo collective is resized (freed) before wait.
+"""Debug check for the CPU lane: no tensor handed to an unfinished gloo collective is freed or touched before wait.
 
-gloo runs every collective on a background thread that reads and writes raw pointers of its tensors; on
-the CPU lane streams and events are no-ops, so memory an accelerator keeps alive stream-ordered is only
-safe here if ``Work.wait()`` came first. ``install()`` wraps the ProcessGroup collectives and storage
-resizes of this process; a resize of an in-flight storage raises (with both stacks) instead of
-corrupting the heap later.
+On a GPU, Megatron-FSDP keeps collective buffers alive stream-ordered (side streams, events, the caching
+allocator). The CPU lane makes streams and events no-ops, while gloo runs each collective on a background
+thread that reads and writes its tensors' memory until ``Work.wait()``. So the lane is only safe if every
+free (``storage.resize_(0)``) or use of such memory on the calling thread comes after that wait. ``install()``
+wraps this process's ProcessGroup collectives, ``Work.wait`` and storage resizes: a resize of an in-flight
+storage raises (naming where the collective was issued); ``access_mode()`` also records every ATen op of
+this thread that touches an in-flight tensor outside ``wait`` (``ACCESSES``).
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ _METHODS = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesce
             "_reduce_scatter_base", "broadcast", "reduce", "gather", "scatter", "alltoall", "alltoall_base",
             "all_to_all_single", "send", "recv", "recv_anysource")
 _LOCK = threading.Lock()
-_INFLIGHT: Dict[int, Tuple[Any, List[Tuple[int, int]], str]] = {}  # id(work) -> (work, [(ptr, nbytes)], stack)
+_LOCAL = threading.local()  # in_wait: this thread is inside Work.wait (which may copy results itself)
+_INFLIGHT: Dict[int, Tuple[Any, List[Tuple[int, int]], str]] = {}  # id(work) -> (work, [(ptr, nbytes)], issued at)
 VIOLATIONS: List[str] = []
-CALLS: Dict[str, int] = {}
-MAX_INFLIGHT = [0]
+ACCESSES: List[Tuple[str, str]] = []  # (op, where the collective was issued)
 _INSTALLED = False
 
 
@@ -37,19 +39,25 @@ def _tensors(obj: Any) -> List[torch.Tensor]:
     return []
 
 
+def _span(t: torch.Tensor):
+    try:
+        s = t.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+    except RuntimeError:  # a wrapper subclass (DTensor) has no storage of its own; its local tensor is checked
+        return None
+
+
+def _stack() -> str:
+    return "".join(traceback.format_stack(limit=12)[:-2])
+
+
 def _track(name: str, original):
     def call(self, *args, **kwargs):
         work = original(self, *args, **kwargs)
-        CALLS[name] = CALLS.get(name, 0) + 1
-        spans = []
-        for t in _tensors(list(args) + list(kwargs.values())):
-            s = t.untyped_storage()
-            if s.nbytes():
-                spans.append((s.data_ptr(), s.nbytes()))
+        spans = [s for s in map(_span, _tensors(list(args) + list(kwargs.values()))) if s and s[1]]
         if isinstance(work, Work) and spans:
             with _LOCK:
-                _INFLIGHT[id(work)] = (work, spans, f"{name}\n" + "".join(traceback.format_stack(limit=14)[:-1]))
-                MAX_INFLIGHT[0] = max(MAX_INFLIGHT[0], sum(not w.is_completed() for w, _, _ in _INFLIGHT.values()))
+                _INFLIGHT[id(work)] = (work, spans, f"{name} issued at\n{_stack()}")
         return work
 
     return call
@@ -57,26 +65,29 @@ def _track(name: str, original):
 
 def _untrack(original):
     def wait(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        with _LOCK:
-            _INFLIGHT.pop(id(self), None)
-        return result
+        _LOCAL.in_wait = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _LOCAL.in_wait = False
+            with _LOCK:
+                _INFLIGHT.pop(id(self), None)
 
     return wait
 
 
+def _hits(ptr: int, nbytes: int) -> List[str]:
+    with _LOCK:
+        return [issued for _, spans, issued in _INFLIGHT.values() if any(p < ptr + nbytes and ptr < p + n for p, n in spans)]
+
+
 def _checked_resize(original):
     def resize_(self, size):
-        CALLS['resize_'] = CALLS.get('resize_', 0) + 1
-        ptr, nbytes = self.data_ptr(), self.nbytes()
-        if nbytes:
-            with _LOCK:
-                hits = [(w, stack) for w, spans, stack in _INFLIGHT.values()
-                        if any(p < ptr + nbytes and ptr < p + n for p, n in spans)]
+        if self.nbytes():
+            hits = _hits(self.data_ptr(), self.nbytes())
             if hits:
-                message = (f"storage {ptr:#x} ({nbytes} B) resized to {size} B while a collective using it is in "
-                           f"flight (no wait yet).\nresize at:\n{''.join(traceback.format_stack(limit=14)[:-1])}"
-                           f"collective issued at: {hits[0][1]}")
+                message = (f"a storage of {self.nbytes()} B is resized to {size} B while a collective using it has "
+                           f"not been waited for.\nresize at\n{_stack()}{hits[0]}")
                 VIOLATIONS.append(message)
                 raise RuntimeError(message)
         return original(self, size)
@@ -85,7 +96,7 @@ def _checked_resize(original):
 
 
 def install() -> None:
-    """Wrap this process's collectives and storage resizes (idempotent)."""
+    """Wrap this process's collectives, ``Work.wait`` and storage resizes (idempotent)."""
     global _INSTALLED
     if _INSTALLED:
         return
@@ -97,12 +108,18 @@ def install() -> None:
     _INSTALLED = True
 
 
-def in_flight() -> List[str]:
-    """Stacks of collectives issued and not yet waited for (nor completed)."""
-    with _LOCK:
-        return [stack for work, _, stack in _INFLIGHT.values() if not work.is_completed()]
+def access_mode():
+    """A TorchDispatchMode recording (in ``ACCESSES``) each op of this thread on an in-flight tensor outside wait."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
+    class InFlightAccess(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if _INFLIGHT and not getattr(_LOCAL, "in_wait", False):
+                for t in _tensors(list(args) + list(kwargs.values())):
+                    span = _span(t) if t.device.type == "cpu" else None
+                    if span and span[1]:
+                        ACCESSES.extend((str(func), issued) for issued in _hits(*span))
+            return func(*args, **kwargs)
 
-def never_waited() -> List[str]:
-    with _LOCK:
-        return [stack for work, _, stack in _INFLIGHT.values()]
+    return InFlightAccess()
