@@ -13,14 +13,19 @@ shared: each rank is still its own process, started from the same clean, just-im
 
     results = run_ranks(my_rank_fn, 2, arg1, arg2)   # [rank0_result, rank1_result]
 
+A rank that dies natively (a glibc heap-check abort, a segfault) fails with its exit code and the Python
+stack of each of its threads at that moment (``faulthandler``), so a rare crash in CI says where it was.
+
 ``my_rank_fn`` must be a module-level function (spawn pickles it by name) and return picklable values.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import queue
+import tempfile
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
@@ -35,7 +40,8 @@ class RankFailed(AssertionError):
     """A rank raised, died, or did not finish in time."""
 
 
-_PRELOAD = ["rank_preload"]  # tests/rank_preload.py (this folder is on sys.path, as for spawn)
+_PRELOAD = ["rank_preload"]
+_FAULT_FILE = None  # this rank's faulthandler file (kept open for the process's life)  # tests/rank_preload.py (this folder is on sys.path, as for spawn)
 
 
 def _context():
@@ -66,8 +72,13 @@ def _reseed_numpy() -> None:
 
 
 def _rank_entry(
-    fn, rank: int, world: int, port: int, caller_env: Dict[str, str], env: Dict[str, str], args: tuple, results
+    fn, rank: int, world: int, port: int, caller_env: Dict[str, str], env: Dict[str, str], args: tuple, results,
+    fault_path: str = "",
 ) -> None:
+    if fault_path:  # a native crash (abort, segfault) leaves every thread's Python stack here for the parent
+        global _FAULT_FILE
+        _FAULT_FILE = open(fault_path, "w")  # noqa: SIM115 (open until the process ends)
+        faulthandler.enable(file=_FAULT_FILE, all_threads=True)
     os.environ.clear()  # the forkserver's environment is the one of its start: take the caller's, now
     os.environ.update(caller_env)
     os.environ.update(
@@ -96,6 +107,16 @@ def _rank_entry(
             pass
 
 
+def _fault_report(rank: int, path: str) -> str:
+    """What faulthandler wrote when the rank died natively (glibc abort, segfault): where each thread was."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    return f"\nrank {rank} native crash, Python stacks of its threads:\n{text}" if text else ""
+
+
 def run_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0, env: Optional[Dict[str, str]] = None
 ) -> List[Any]:
@@ -103,9 +124,12 @@ def run_ranks(
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
+    faults = tempfile.TemporaryDirectory(prefix="ranks-")
+    fault_paths = [os.path.join(faults.name, f"rank{rank}.fault") for rank in range(world_size)]
     procs = [
         # Not daemonic: megatron-core's checkpoint writer forks worker processes from each rank.
-        ctx.Process(target=_rank_entry, args=(fn, rank, world_size, port, dict(os.environ), dict(env or {}), args, results))
+        ctx.Process(target=_rank_entry, args=(fn, rank, world_size, port, dict(os.environ), dict(env or {}), args,
+                                              results, fault_paths[rank]))
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -122,7 +146,8 @@ def run_ranks(
                     time.sleep(1.0)  # its result may still be in flight
                     if results.empty():
                         codes = [procs[r].exitcode for r in dead]
-                        raise RankFailed(f"rank(s) {dead} exited (codes {codes}) without a result")
+                        raise RankFailed(f"rank(s) {dead} exited (codes {codes}) without a result"
+                                         + "".join(_fault_report(r, fault_paths[r]) for r in dead))
                 if time.monotonic() > deadline:
                     missing = [r for r in range(world_size) if r not in outputs]
                     raise RankFailed(f"rank(s) {missing} did not finish within {timeout:.0f}s")
@@ -136,4 +161,5 @@ def run_ranks(
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        faults.cleanup()
     return [outputs[r] for r in range(world_size)]

@@ -26,6 +26,10 @@ def _die():
     os._exit(3)
 
 
+def _abort_natively():
+    os.abort()  # as glibc does on a heap-corruption check
+
+
 def _hang():
     time.sleep(600)
 
@@ -52,6 +56,14 @@ def test_a_raising_rank_fails_with_its_traceback():
     with pytest.raises(RankFailed) as info:
         run_ranks(_raise_on_rank_1, 2)
     assert "rank 1 failed" in str(info.value) and "ValueError: rank one broke on purpose" in str(info.value)
+
+
+def test_a_natively_crashing_rank_fails_with_where_it_crashed():
+    with pytest.raises(RankFailed) as info:
+        run_ranks(_abort_natively, 1)
+    message = str(info.value)
+    assert "exited (codes [-6]) without a result" in message, message
+    assert "rank 0 native crash" in message and "_abort_natively" in message, message
 
 
 def test_a_dying_rank_fails_with_its_exit_code():

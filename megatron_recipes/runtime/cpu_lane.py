@@ -69,7 +69,12 @@ def cuda_calls_on_cpu() -> TorchFunctionMode:
 
 
 class _NoOpStream:
-    """Stand-in for ``torch.cuda.Stream``: CPU work is synchronous."""
+    """Stand-in for ``torch.cuda.Stream``: CPU work is synchronous.
+
+    gloo collectives are not: they run on a background thread until ``Work.wait()``. On a GPU, streams and the
+    caching allocator keep collective buffers alive; here that holds only because megatron-core (DDP,
+    Megatron-FSDP) waits for each Work before freeing or using its tensors (tests/test_fsdp_inflight.py).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
