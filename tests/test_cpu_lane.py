@@ -123,6 +123,30 @@ def test_all_to_all_accepts_tensor_split_sizes_on_gloo():
     assert got[0] == [0.0, 1.0, 1.0] and got[1] == [0.0, 1.0, 1.0]
 
 
+def _gloo_worker_threads():
+    import torch
+    import torch.distributed as dist
+
+    from megatron_recipes.runtime.distributed import init_process_group
+
+    init_process_group()
+    group = dist.new_group([0, 1])
+    out = {}
+    for name, pg in (("default", dist.group.WORLD), ("new", group)):
+        backend = pg._get_backend(torch.device("cpu"))
+        out[name] = backend.options._threads
+        works = [dist.all_reduce(torch.ones(3) * (i + 1), group=pg, async_op=True) for i in range(4)]
+        for work in works:
+            work.wait()
+    return out
+
+
+def test_every_gloo_group_runs_its_collectives_on_one_worker_thread():
+    """Two gloo worker threads per group running async collectives side by side corrupted the heap in
+    torch 2.13 (runtime/cpu_lane.py ``_one_gloo_worker_thread``): the lane's groups have one."""
+    assert run_ranks(_gloo_worker_threads, 2) == [{"default": 1, "new": 1}] * 2
+
+
 def _refuses_with_cuda():
     import torch
 

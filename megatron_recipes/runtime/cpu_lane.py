@@ -186,6 +186,35 @@ def _patch_all_to_all() -> None:
     c10d.all_to_all_single = all_to_all_single
 
 
+def _one_gloo_worker_thread() -> None:
+    """Every gloo process group made from now on runs its collectives on one worker thread (torch's
+    default is two per group), in the order they were started, as a GPU stream runs them.
+
+    Why: with two worker threads running a group's async collectives side by side, torch 2.13's gloo
+    has corrupted the heap (glibc: "unaligned tcache chunk", "free(): invalid pointer", in a gloo
+    worker thread) in a pure torch + gloo reproduction of Megatron-FSDP's overlapped all-gathers, and
+    once in our CI. One thread per group keeps megatron-core's async calls and their overlap code paths
+    as they are (same operations, same order, same numbers); only their concurrency inside one group goes.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    base = c10d.ProcessGroupGloo
+    if getattr(base, "_megatron_recipes_one_thread", False):
+        return
+
+    class OneWorkerThreadGloo(base):
+        _megatron_recipes_one_thread = True
+
+        def __init__(self, store, rank, size, timeout=c10d.default_pg_timeout):
+            options = base._Options()
+            options._timeout = timeout
+            options._threads = 1
+            options._devices = [base.create_default_device()]
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = OneWorkerThreadGloo
+
+
 class _EngineInMode:
     """The autograd engine with the CUDA->CPU mode on while it runs.
 
@@ -231,6 +260,7 @@ def activate() -> bool:
     patches.apply("cpu_lane")  # megatron-core's own CUDA-only corners (runtime/patches.py)
     _patch_tensor_type()
     _patch_all_to_all()
+    _one_gloo_worker_thread()
     _patch_autograd_engine()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
