@@ -11,7 +11,7 @@ import pytest
 
 from megatron_recipes.check import compare
 from megatron_recipes.check.cli import context_parallel_unproven, plan_runs
-from megatron_recipes.check.shrink import Degrees, fit_degrees
+from megatron_recipes.check.shrink import Degrees, fit_degrees, seq_length
 from megatron_recipes.config.compose import compose_recipe
 from megatron_recipes.validation.validate import validate
 
@@ -52,9 +52,13 @@ def test_fit_scales_dp_first_then_says_which_degree_shrank():
     assert (only_dp.tp, only_dp.dp) == (2, 4) and len(notes) == 1
 
 
-@pytest.mark.parametrize("recipe", ["llama3_70b_pretrain", "mixtral_8x7b_pretrain", "qwen3_30b_a3b_pretrain",
-                                    "deepseek_v3_pretrain", "llama31_405b_pretrain", "llama3_8b_pretrain", "llama3_8b_lora"])
+SHIPPED = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", SHIPPED)
 def test_shrunk_recipe_passes_every_rule(recipe):
+    """Every shipped recipe's shrunk layout and reference are valid (QLoRA's NF4 blocks still tile each
+    rank's input features, offloading is off on the CPU lane, ...)."""
     cfg, small, planned, notes, _ = plan_runs(recipe, [], 8, 6, 4)
     assert small.degrees.world <= 8
     for name in ("layout", "reference"):
@@ -330,3 +334,18 @@ def test_ctrl_c_stops_every_rank_and_what_the_ranks_started(tmp_path):
     for info in infos:
         assert _gone(info["pid"]) and _gone(info["child"]), info
     assert "[check] stopped after" in (tmp_path / "layout.log").read_text()
+
+
+def test_fine_tuning_on_mock_tokens_runs_short_sequences_and_offloading_is_off():
+    """A fine-tuning recipe whose chat file is not here trains on mock tokens: any length is a sample, so
+    the layout runs the short sequences pretraining recipes do; its own built-in chat data keeps the recipe's
+    length (samples must fit whole). Host-memory offloading is switched off, said."""
+    _, _, planned, notes, _ = plan_runs("llama3_70b_sft_fsdp", [], 8, 6, 4)
+    layout = compose_recipe("llama3_70b_sft_fsdp", planned["layout"])
+    assert layout.data.kind == "mock" and layout.train.seq_length == seq_length(
+        Degrees(layout.parallel.tp, 1, 1, 1, None, 1), layout.parallel.sp)
+    assert not layout.optimizer.cpu_offload and any("optimizer.cpu_offload -> false" in n for n in notes), notes
+    _, _, planned, _, _ = plan_runs("tiny_llama_sft", [], 8, 6, 4)
+    own = compose_recipe("tiny_llama_sft", planned["layout"])
+    assert own.data.kind == "sft" and own.train.seq_length == compose_recipe("tiny_llama_sft", []).train.seq_length
+

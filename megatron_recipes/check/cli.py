@@ -110,7 +110,7 @@ def plan_runs(recipe: str, user: Sequence[str], max_ranks: int, steps: int, stop
 
     cfg = cfg if cfg is not None else _compose(recipe, user)
     validate_or_raise(cfg, recipe, rules=select(provided=PROVIDES))  # the recipe as written, on its own cluster
-    small = shrink(cfg, max_ranks, None if full_depth else LAYERS_PER_CHUNK)
+    small = shrink(cfg, max_ranks, None if full_depth else LAYERS_PER_CHUNK, own_data=not _data(cfg))
     notes = list(small.notes)
     env = ["cluster=local_cpu", "cluster.nodes=1", "precision=fp32", *_data(cfg), *OPTIMIZER, *QUIET,
            "checkpoint.save_interval=100000", "train.exit_interval=null"]

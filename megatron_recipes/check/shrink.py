@@ -140,6 +140,16 @@ def _model(cfg: RunConfig, d: Degrees, max_per_chunk: Optional[int]) -> Dict[str
             "model.vocab_size": multiple * max(2, -(-1024 // multiple)) + m.vocab_size % multiple,
         }
     )
+    if cfg.peft.method == "qlora":
+        # every quantised linear's input features per rank must hold whole NF4 blocks (rule peft.nf4_blocks)
+        block, kv, ffn, hidden = cfg.peft.nf4_block_size, HEAD_DIM, FFN, HIDDEN
+        while (heads * kv // d.tp) % block:
+            kv *= 2
+        while (ffn // d.tp) % block:
+            ffn *= 2
+        while hidden % block:
+            hidden *= 2
+        out.update({"model.kv_channels": kv, "model.ffn_hidden_size": ffn, "model.hidden_size": hidden})
     if m.sliding_window:
         out["model.sliding_window"] = SEQ // 2
     if m.num_moe_experts:
@@ -155,12 +165,13 @@ def _model(cfg: RunConfig, d: Degrees, max_per_chunk: Optional[int]) -> Dict[str
     return out
 
 
-def _batch(cfg: RunConfig, d: Degrees, vpp: Optional[int]) -> Dict[str, object]:
+def _batch(cfg: RunConfig, d: Degrees, own_data: bool) -> Dict[str, object]:
     """Micro-batches of one sequence; PP of them per DP rank (the pipeline fills, interleaving takes whole
     rounds), at least 2 (gradient accumulation is part of the proof)."""
     micro = max(d.pp, 2)
-    # Chat samples must fit whole (SFT drops or refuses longer ones), so SFT keeps the recipe's length.
-    base = cfg.train.seq_length if cfg.data.kind == "sft" else SEQ
+    # Chat samples must fit whole (SFT drops or refuses longer ones), so SFT on its own data keeps the
+    # recipe's length; on mock tokens any length is a sample.
+    base = cfg.train.seq_length if cfg.data.kind == "sft" and own_data else SEQ
     return {"train.seq_length": seq_length(d, cfg.parallel.sp, base), "train.micro_batch_size": 1,
             "train.global_batch_size": micro * d.dp}
 
@@ -179,12 +190,14 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-def shrink(cfg: RunConfig, max_ranks: int = 8, max_layers_per_chunk: Optional[int] = LAYERS_PER_CHUNK) -> Shrunk:
-    """The check's overrides; ``max_layers_per_chunk=None`` keeps every stage's full depth."""
+def shrink(cfg: RunConfig, max_ranks: int = 8, max_layers_per_chunk: Optional[int] = LAYERS_PER_CHUNK,
+           own_data: bool = True) -> Shrunk:
+    """The check's overrides; ``max_layers_per_chunk=None`` keeps every stage's full depth; ``own_data``:
+    the runs read the recipe's own data (else mock tokens)."""
     original = recipe_degrees(cfg)
     d, notes = fit_degrees(original, max_ranks, moe=bool(cfg.model.num_moe_experts))
     p = cfg.parallel
-    common: Dict[str, object] = {**_model(cfg, d, max_layers_per_chunk), **_batch(cfg, d, p.vpp)}
+    common: Dict[str, object] = {**_model(cfg, d, max_layers_per_chunk), **_batch(cfg, d, own_data)}
     if max_layers_per_chunk and cfg.model.hidden_size > TINY_HIDDEN:
         full = _layers(cfg, d.pp, None)["model.num_layers"]
         if full != common["model.num_layers"]:
@@ -209,7 +222,15 @@ def shrink(cfg: RunConfig, max_ranks: int = 8, max_layers_per_chunk: Optional[in
     if cfg.model.hidden_size > TINY_HIDDEN:
         m = cfg.model
         moe = f", expert FFN {MOE_FFN}; {m.num_moe_experts} experts, top-{m.moe_router_topk} kept" if m.num_moe_experts else ""
-        notes.append(f"model narrowed to hidden {HIDDEN}, head dim {HEAD_DIM}, FFN {FFN}{moe}; {common['model.num_layers']} layers")
+        notes.append(f"model narrowed to hidden {common['model.hidden_size']}, head dim {common['model.kv_channels']}, "
+                     f"FFN {common['model.ffn_hidden_size']}{moe}; {common['model.num_layers']} layers")
+    offload = {k: v for k, v in (("optimizer.cpu_offload", False), ("train.activation_offload_layers", 0))
+               if getattr(cfg.optimizer if k.startswith("optimizer") else cfg.train, k.split(".")[1])}
+    if offload:
+        # host-memory placement of optimizer state / activations: where numbers live, not what they are
+        common.update(offload)
+        notes.append(f"{', '.join(f'{k} -> {_fmt(v)}' for k, v in offload.items())}: offloading to host memory "
+                     "moves where tensors live, not the training math; the CPU lane has no device memory to offload from")
     layout = dict(common)
     layout.update({"parallel.tp": d.tp, "parallel.pp": d.pp, "parallel.cp": d.cp, "parallel.ep": d.ep,
                    "parallel.etp": d.etp if p.etp is not None else None,
