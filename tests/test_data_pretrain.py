@@ -222,6 +222,24 @@ def test_mock_kind_uses_megatron_mock_dataset(env):
     assert batch["tokens"].shape == (2, cfg.train.seq_length)
 
 
+def test_each_sample_keeps_its_own_loss_mask_whatever_is_read_first(env):
+    """megatron-core caches the first sample's loss mask by reference and masks its pad labels in place;
+    without the fix every later sample loses those positions too, so the masks depended on the order of
+    reading (a DP rank's slice, a resume step). Mock tokens cycle through the vocabulary, pad id included."""
+    root, _ = env
+    cfg = small_cfg(root, "data=mock", "train.train_iters=2", "train.seq_length=1024")
+    tok = load_tokenizer(cfg)
+    forward, _, _ = build_pretrain_datasets(cfg, tok)
+    backward, _, _ = build_pretrain_datasets(cfg, tok)
+    n = 8
+    masks_forward = [forward[i]["loss_mask"] for i in range(n)]
+    masks_backward = [backward[i]["loss_mask"] for i in reversed(range(n))][::-1]
+    masked = [int((m == 0).sum()) for m in masks_forward]
+    assert max(masked) > 0, "no pad label in these samples: the test would prove nothing"
+    for i in range(n):
+        assert torch.equal(masks_forward[i], masks_backward[i]), f"sample {i}: mask depends on the reading order"
+
+
 def test_index_caches_are_built_under_the_cache_lock(env):
     """Two jobs sharing data.cache_dir (the check's runs side by side): while another process builds the
     index caches (holding the lock), this one waits instead of reading half-written .npy files."""

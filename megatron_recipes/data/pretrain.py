@@ -200,7 +200,7 @@ def build_pretrain_datasets(cfg: RunConfig, tokenizer, is_built_on_rank: Optiona
     broadcasts (the mmap'd indices make this cheap) and gives middle stages the same batch metadata.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+    from megatron_recipes.data.gpt_datasets import GPTDataset, MockGPTDataset  # loss-mask cache fixed
 
     sizes = dataset_sizes(cfg)
     mock = cfg.data.kind == "mock"
