@@ -320,7 +320,9 @@ def test_ctrl_c_stops_every_rank_and_what_the_ranks_started(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(_RANK_STAND_IN)
     run_dir = tmp_path / "layout"
-    driver = ("import sys; from pathlib import Path; from megatron_recipes.check import runs\n"
+    # SIGINT as at a terminal: a runner started in the background (``cmd &``) hands its children SIGINT ignored
+    driver = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              "from pathlib import Path; from megatron_recipes.check import runs\n"
               "jobs = [runs.Job('layout', ['child=1'], Path(sys.argv[1]), 1, ranks=2)]\n"
               "print([r.returncode for r in runs.train_together(jobs, 'tiny', 300, progress=False, entry=(sys.argv[2],))])\n")
     proc = subprocess.Popen([sys.executable, "-c", driver, str(run_dir), str(script)], stdout=subprocess.PIPE, text=True)
