@@ -224,8 +224,11 @@ def shrink(cfg: RunConfig, max_ranks: int = 8, max_layers_per_chunk: Optional[in
         moe = f", expert FFN {MOE_FFN}; {m.num_moe_experts} experts, top-{m.moe_router_topk} kept" if m.num_moe_experts else ""
         notes.append(f"model narrowed to hidden {common['model.hidden_size']}, head dim {common['model.kv_channels']}, "
                      f"FFN {common['model.ffn_hidden_size']}{moe}; {common['model.num_layers']} layers")
-    offload = {k: v for k, v in (("optimizer.cpu_offload", False), ("train.activation_offload_layers", 0))
-               if getattr(cfg.optimizer if k.startswith("optimizer") else cfg.train, k.split(".")[1])}
+    offload: Dict[str, object] = {}
+    if cfg.optimizer.cpu_offload:
+        offload["optimizer.cpu_offload"] = False
+    if cfg.train.activation_offload_layers:
+        offload["train.activation_offload_layers"] = 0
     if offload:
         # host-memory placement of optimizer state / activations: where numbers live, not what they are
         common.update(offload)
