@@ -33,6 +33,7 @@ from megatron_recipes.checkpoint import _adapters
 from megatron_recipes.checkpoint import _identity as identity
 from megatron_recipes.checkpoint import _mcore as io
 from megatron_recipes.checkpoint._trust import restricted_loading
+from megatron_recipes.runtime import collectives
 
 BACKEND = "fsdp_dtensor"
 MODEL_PREFIX = "module."  # FullyShardedDataParallel.state_dict(): "module." + the GPTModel's names
@@ -135,12 +136,11 @@ def _common_step(optimizer_sd: Dict[Any, Any]) -> Dict[Any, Any]:
     if "state" not in optimizer_sd:  # a ChainedOptimizer: one such dict per part
         return {key: _common_step(part) for key, part in optimizer_sd.items()}
     steps = [float(v["step"]) for v in optimizer_sd["state"].values() if isinstance(v, dict) and "step" in v]
-    top = torch.tensor(max(steps, default=0.0), dtype=torch.float64)
-    torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX)
+    top = collectives.all_reduce_values([max(steps, default=0.0)], op="max")[0]  # the default group: NCCL on GPUs
     state = {}
     for name, value in optimizer_sd["state"].items():
         if isinstance(value, dict) and torch.is_tensor(value.get("step")):
-            value = {**value, "step": torch.full_like(value["step"], top.item())}
+            value = {**value, "step": torch.full_like(value["step"], top)}
         state[name] = value
     return {**optimizer_sd, "state": state}
 

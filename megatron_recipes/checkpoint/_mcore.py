@@ -31,7 +31,7 @@ import torch
 from megatron_recipes.checkpoint import _adapters
 from megatron_recipes.checkpoint._trust import UntrustedCheckpoint, causes, find_refusal
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.runtime import patches
+from megatron_recipes.runtime import collectives, patches
 
 log = logging.getLogger(__name__)
 
@@ -303,8 +303,7 @@ def tensor_mismatches(sharded_sd: Dict[str, Any], directory: Path, limit: int = 
 
 def all_ranks(items: List[str]) -> List[str]:
     """The union of every rank's list (so every rank raises the same error, none waits in a collective)."""
-    gathered: List[Optional[List[str]]] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, items)
+    gathered: List[Optional[List[str]]] = collectives.all_gather_object(items)
     return sorted({item for rank_items in gathered for item in (rank_items or [])})
 
 

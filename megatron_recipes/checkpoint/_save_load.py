@@ -29,6 +29,7 @@ from megatron_recipes.checkpoint import _mcore as io
 from megatron_recipes.checkpoint._trust import restricted_loading
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.runtime import collectives
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def on_rank0(what: str, fn: Callable[[], T]) -> Optional[T]:
         except Exception as exc:  # shared with the other ranks, then raised on all of them below
             log.exception("%s failed", what)
             outcome[1] = (f"{what} failed on rank 0: {type(exc).__name__}: {exc}", None)
-    torch.distributed.broadcast_object_list(outcome, src=0)
+    collectives.broadcast_objects(outcome, src=0)
     if outcome[1] is not None:
         raise RecipeError(outcome[1][0], fix=outcome[1][1])
     return outcome[0]

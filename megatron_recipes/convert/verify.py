@@ -158,6 +158,7 @@ def forward_logits(cfg: RunConfig, chunks: List[torch.nn.Module], tokens: torch.
 def rank_jobs(jobs: Sequence[Job], world: int) -> None:
     """Run ``jobs`` in order on this rank (spawned by ``ranks.run_ranks``)."""
     from megatron_recipes.models.builder import build_model_chunks
+    from megatron_recipes.runtime import collectives
     from megatron_recipes.runtime.distributed import init_model_parallel, shutdown
 
     try:
@@ -171,7 +172,7 @@ def rank_jobs(jobs: Sequence[Job], world: int) -> None:
                 torch.save(logits, job.logits_out)
             if job.resave_root:
                 checkpoint.save(Path(job.resave_root), 0, chunks, None, None, {"step": 0}, cfg, keep_last=0)
-            torch.distributed.barrier()
+            collectives.barrier()
     finally:
         shutdown()
 

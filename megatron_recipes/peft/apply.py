@@ -20,6 +20,7 @@ from megatron_recipes.peft.linears import attention_modules, find_targets, layou
 from megatron_recipes.peft.lora import LoRALinear
 from megatron_recipes.peft.ptuning import PrefixCoreAttention, PrefixKV
 from megatron_recipes.peft.qlora import NF4ParallelLinear, check_quantizable, quantize_module
+from megatron_recipes.runtime import collectives
 
 log = logging.getLogger(__name__)
 
@@ -237,14 +238,15 @@ def _unique_here(param: torch.nn.Parameter, expert: bool, tp_rank: int, etp_rank
 
 
 def _reduce(dense: List[int], expert: List[int]) -> Tuple[List[int], List[int]]:
+    """Whole-model counts: Python ints summed over the model-parallel groups (NCCL groups on GPUs, which
+    take no host tensors: the collectives' owner puts them on the device)."""
     from megatron.core import parallel_state
 
-    d = torch.tensor(dense, dtype=torch.int64)
-    e = torch.tensor(expert, dtype=torch.int64)
+    dense, expert = [int(v) for v in dense], [int(v) for v in expert]
     if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized():
-        torch.distributed.all_reduce(d, group=parallel_state.get_model_parallel_group())
-        torch.distributed.all_reduce(e, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
-    return d.tolist(), e.tolist()
+        dense = collectives.all_reduce_values(dense, group=parallel_state.get_model_parallel_group())
+        expert = collectives.all_reduce_values(expert, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+    return dense, expert
 
 
 def _ranks() -> Tuple[int, int]:

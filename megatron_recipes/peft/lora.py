@@ -33,6 +33,7 @@ from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.peft.linears import LinearLayout, keep_child_keys, layout_of, make_param, sharded, uniform
 from megatron_recipes.peft.ptuning import PrefixCoreAttention
 from megatron_recipes.peft.qlora import NF4ParallelLinear
+from megatron_recipes.runtime import collectives
 
 
 def _group_rank(group) -> int:
@@ -121,7 +122,7 @@ class LoRALinear(torch.nn.Module, AdapterModule):
         sq = w.pow(2).sum(dim=1)
         lay = self.layout
         if lay.kind == "row" and lay.tp_size > 1:
-            torch.distributed.all_reduce(sq, group=lay.tp_group)
+            collectives.all_reduce(sq, group=lay.tp_group)
         return sq.sqrt()
 
     def _gain(self, partial: bool) -> Optional[torch.Tensor]:

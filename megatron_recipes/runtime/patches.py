@@ -405,11 +405,13 @@ def _reduce_unsharded_grads_once() -> None:
         ):
             return original(self, bucket_group, async_op=async_op, outer_fsdp_group_grad_reduce=outer_fsdp_group_grad_reduce)
         if not one_rank and self.buffer.ddp_config.overlap_grad_reduce:
+            from megatron_recipes.runtime import collectives
+
             for gbuf in buffers:
                 bucket = gbuf.fetch_bucket()  # a view of the whole unsharded buffer
                 op = pgb.gradient_reduce_preprocessing(bucket.data, gbuf.gradient_scaling_factor, gbuf.ddp_config)
                 reduced = torch.empty_like(gbuf.get_shard_from_bucket(bucket))
-                torch.distributed.reduce_scatter_tensor(reduced, bucket.data, op=op, group=gbuf.data_parallel_group)
+                collectives.reduce_scatter_tensor(reduced, bucket.data, op=op, group=gbuf.data_parallel_group)
                 gbuf.get_shard_from_local_buffer().copy_(reduced)
         for bucket_id in bucket_group:  # what megatron-core's free-up step does for an unsharded buffer
             self.bucket_grad_ready_params[bucket_id] = set()

@@ -17,20 +17,19 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
+    from megatron_recipes.runtime import collectives
+
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    total = torch.ones(1, device=device) * (rank + 1)
-    dist.all_reduce(total)
-    members = [None] * world
-    dist.all_gather_object(members, {"rank": rank, "node": node, "local_rank": os.environ.get("LOCAL_RANK")})
+    total = collectives.all_reduce_values([float(rank + 1)])[0]  # on the GPU under NCCL, as training's are
+    members = collectives.all_gather_object({"rank": rank, "node": node, "local_rank": os.environ.get("LOCAL_RANK")})
     expected = world * (world + 1) / 2
-    ok = abs(float(total.item()) - expected) < 1e-6
-    print(f"[probe] rank {rank}/{world} on {node}: all_reduce sum={total.item():.0f} (expected {expected:.0f})",
+    ok = abs(total - expected) < 1e-6
+    print(f"[probe] rank {rank}/{world} on {node}: all_reduce sum={total:.0f} (expected {expected:.0f})",
           flush=True)
     if rank == 0:
         nodes = sorted({m["node"] for m in members})

@@ -10,6 +10,8 @@ import sys
 
 import torch
 
+from megatron_recipes.runtime import collectives
+
 
 def peak_memory_gib() -> float:
     """Peak allocated device memory on GPU; peak resident set size of this process on CPU."""
@@ -23,7 +25,4 @@ def max_over_ranks(value: float) -> float:
     """The largest value across all ranks (the one that limits a job), as a float on every rank."""
     if not torch.distributed.is_initialized():
         return value
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return float(t.item())
+    return float(collectives.all_reduce_values([float(value)], op="max")[0])

@@ -113,7 +113,7 @@ class PreemptionWatcher:
         code = local
         dist = _dist_ready()
         if dist is not None and dist.get_world_size() > 1:
-            code = self._agree(dist, local)
+            code = self._agree(local)
         if code == _NONE:
             return False
         if local == _SIGNAL:
@@ -125,15 +125,10 @@ class PreemptionWatcher:
         return True
 
     @staticmethod
-    def _agree(dist, code: int) -> int:
-        import torch
+    def _agree(code: int) -> int:
+        from megatron_recipes.runtime import collectives
 
-        backend = str(dist.get_backend())
-        on_gpu = "nccl" in backend and torch.cuda.is_available()
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        flag = torch.tensor([code], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        return int(collectives.all_reduce_values([code], op="max")[0])
 
     @property
     def reason(self) -> Optional[str]:

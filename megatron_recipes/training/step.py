@@ -142,13 +142,15 @@ def _reduce_losses(losses: Sequence[Dict[str, torch.Tensor]], device: torch.devi
     copied to every pipeline stage."""
     from megatron.core import parallel_state
 
+    from megatron_recipes.runtime import collectives
+
     total = torch.zeros(2, dtype=torch.float64, device=device)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         for item in losses:
             total += item[key].to(device)
-    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    collectives.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # only the last stage holds non-zeros
-        torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+        collectives.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
     return total
 
 
