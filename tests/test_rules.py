@@ -29,6 +29,7 @@ PT = "checkpoint.pretrained=base_ckpt"  # PEFT needs a base checkpoint
 GB200 = ("cluster=gb200_nvl72", "cluster.nodes=16")
 PP2 = ("parallel.tp=1", "parallel.pp=2")
 FS = ("parallel=none", "parallel.fsdp=true", "checkpoint.save=false", "checkpoint.load=none")  # FSDP over DP=2
+FP8_FSDP = (*FS, "precision=fp8_delayed", "precision.fp8_param_gather=true")  # on L8: FP8 weights under Megatron-FSDP
 F70 = "llama3_70b_sft_fsdp"  # 2 H100 nodes, Megatron-FSDP zero3 + optimizer offload
 SFT = ("data.sft_path=train.jsonl", PT)
 L8 = "llama3_8b_pretrain"  # 1 H100 node, TP2 CP2, no recompute
@@ -192,6 +193,7 @@ CASES: Dict[str, Case] = {
         TINY, FS + ("parallel.dist_optimizer_instances=2",), ("parallel=none", "parallel.dist_optimizer_instances=2")
     ),
     "fsdp.not_with_peft": (TINY, FS + ("peft.method=lora", PT), ("parallel=none", "peft.method=lora", PT)),
+    "fsdp.fp8_params_from_checkpoint": (L8, FP8_FSDP + (PT,), FP8_FSDP),
     "fsdp.no_pipeline": (TINY, FS + ("parallel.pp=2",), FS),
     "fsdp.checkpoint_format": (TINY, ("parallel.fsdp=true",), ("parallel=none", "parallel.fsdp=true")),  # TP2 / TP1
     "offload.needs_gpu": (TINY, ("optimizer.cpu_offload=true", "precision=bf16", "cluster.host_memory_gb=16"), ()),

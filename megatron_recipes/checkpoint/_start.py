@@ -11,7 +11,9 @@
 - otherwise fresh initialisation.
 
 Loading into the bare chunks means the optimizer's fp32 main copies (bf16/fp16, the distributed optimizer's
-shards) are built from the loaded weights, and Megatron-FSDP shards them when it wraps.
+shards) are built from the loaded weights, and Megatron-FSDP shards them when it wraps. TE's FP8 weights
+keep their random init for the optimizer, so the trainer re-reads the main params after building it
+(``reload_model_params``); Megatron-FSDP has no such re-read (rule fsdp.fp8_params_from_checkpoint).
 """
 
 from __future__ import annotations

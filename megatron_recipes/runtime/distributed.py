@@ -104,13 +104,29 @@ def init_model_parallel(cfg: RunConfig, timeout_minutes: float = 10.0) -> Runtim
     return runtime
 
 
+# Megatron-LM's per-rank offsets (initialize.py _set_random_seed): each pipeline stage builds different
+# layers, and stages seeded alike would start those layers equal. Data-parallel replicas keep one seed
+# (Megatron-LM's data_parallel_random_init, off by default: replicas must start identical).
+PIPELINE_SEED_STRIDE = 100
+
+
+def rank_seed(seed: int, pipeline_rank: int) -> int:
+    """The seed of one pipeline stage; megatron-core offsets TP/EP ranks on top of it."""
+    return seed + PIPELINE_SEED_STRIDE * pipeline_rank
+
+
 def seed_everything(seed: int) -> None:
-    """Same seed on every rank for the default generator; megatron-core's tracker for TP/EP streams."""
+    """Seed this rank as Megatron-LM does: the recipe's seed offset by the pipeline stage for Python, NumPy
+    and torch, then megatron-core's tracker (TP/EP streams) from the same stage seed. On the CPU lane the
+    tracker's "CUDA" states are the CPU generator's (cpu_lane, patch cpu-rng-state), so the offset reaches
+    the CPU initialisation too. No TE RNG tracker: Megatron-LM turns it on only for CUDA graphs."""
     import random
 
     import numpy as np
+    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    seed = rank_seed(seed, parallel_state.get_pipeline_model_parallel_rank())
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)

@@ -113,7 +113,7 @@ def make_forward_step(device: torch.device, use_te: bool, mtp: bool = False):
     Every chunk reads its own iterator on every microbatch (so all iterators stay at the same sample),
     but only moves to the device what its stage uses: tokens on the first stage, labels on the last, and
     with multi-token prediction (``mtp``) tokens on the last stage too: the MTP block there embeds the
-    shifted input ids itself. Under CP each rank keeps its share of the sequence (``cp_share``); the loss
+    shifted input ids itself, and masks its loss with ``loss_mask``. Under CP each rank keeps its share of the sequence (``cp_share``); the loss
     sums and token counts are then this rank's, and ``_reduce_losses`` / megatron-core's
     ``finalize_model_grads`` add them up over data x context ranks (``calculate_per_token_loss``).
     """
@@ -131,7 +131,10 @@ def make_forward_step(device: torch.device, use_te: bool, mtp: bool = False):
         position_ids = batch["position_ids"].to(device, non_blocking=True) if needs_ids else None
         labels = batch["labels"].to(device, non_blocking=True) if last else None
         loss_mask = batch["loss_mask"].to(device, non_blocking=True) if last else None
-        output = model(tokens, position_ids, labels=labels, **_attention_inputs(batch, device, use_te, cp))
+        # loss_mask as Megatron-LM's pretrain_gpt passes it: GPTModel's MTP head masks its own loss with it
+        # (without it, every position: prompts, padding and the seams of packed samples)
+        output = model(tokens, position_ids, labels=labels, loss_mask=loss_mask,
+                       **_attention_inputs(batch, device, use_te, cp))
         return output, partial(loss_func, loss_mask)
 
     return forward_step

@@ -122,6 +122,21 @@ def _fsdp_peft(cfg: RunConfig) -> Optional[str]:
 
 
 @rule(
+    "fsdp.fp8_params_from_checkpoint",
+    ["parallel.fsdp", "precision.fp8_param_gather", "checkpoint.pretrained"],
+    "Megatron-FSDP with FP8 parameters does not start from a checkpoint here: the weights load before wrapping, "
+    "and Megatron-FSDP builds its fp32 main weights from the random init TE keeps on each FP8 weight "
+    "(get_high_precision_init_val), so training would continue from that init after step 1",
+    "set precision.fp8_param_gather=false to fine-tune under Megatron-FSDP, or parallel.fsdp=false "
+    "(the distributed optimizer re-reads its main params from the loaded weights)",
+)
+def _fsdp_fp8_start(cfg: RunConfig) -> Optional[str]:
+    if cfg.parallel.fsdp and cfg.precision.fp8_param_gather and cfg.checkpoint.pretrained:
+        return f"parallel.fsdp=true, precision.fp8_param_gather=true and checkpoint.pretrained={cfg.checkpoint.pretrained}"
+    return None
+
+
+@rule(
     "fsdp.no_pipeline",
     ["parallel.fsdp", "parallel.pp", "parallel.vpp"],
     "Megatron-FSDP runs with PP=1 here: its per-chunk buffers under the pipeline schedules are not proven",
@@ -234,6 +249,7 @@ SHARDING_RULES = [
     _instances,
     _fsdp_hsdp,
     _fsdp_peft,
+    _fsdp_fp8_start,
     _fsdp_pp,
     _fsdp_ckpt,
     _offload_gpu,
