@@ -138,9 +138,9 @@ class Trainer:
         self.start.load_weights(chunks)  # pretrained, PEFT base or own seed: into the bare chunks, before wrapping
         self.peft = prepare_for_training(self.cfg, chunks)  # PEFT adapters (before DDP)
         self.model = optim.wrap_model(self.cfg, chunks)
-        optim.configure_schedule_hooks(self.model)
         self.optimizer = optim.build_optimizer(self.cfg, self.model)
         self.scheduler = optim.build_scheduler(self.cfg, self.optimizer)
+        optim.configure_schedule_hooks(self.cfg, self.model, self.optimizer)  # grad_scale_func is the optimizer's
         self.forward_step = step.make_forward_step(
             self.device, capabilities.use_transformer_engine(), mtp=bool(self.cfg.model.mtp_num_layers)
         )

@@ -86,20 +86,39 @@ def _schedule_dispatches_param_gather(cfg: RunConfig) -> bool:
     return bool(p.overlap_param_gather and cfg.optimizer.use_distributed_optimizer and p.vpp)
 
 
-def configure_schedule_hooks(model: List[torch.nn.Module]) -> None:
-    """The hooks megatron-core's pipeline schedules call: grad sync control and final grad reduction."""
+def configure_schedule_hooks(cfg: RunConfig, model: List[torch.nn.Module], optimizer) -> None:
+    """The ``TransformerConfig`` hooks megatron-core's schedules call, by Megatron-LM's rule (training.py,
+    just before its training loop), read from the recipe's settings as Megatron-LM reads its arguments
+    (not from a ddp_config that Megatron-FSDP has since changed):
+
+    - ``grad_scale_func = optimizer.scale_loss``, always: the schedule scales each microbatch's loss by it
+      before backward and the optimizer divides the gradients by the same scale. Under fp16 that scale is
+      the DynamicGradScaler's (2**32 at the start): without the hook the updates come out that much too
+      small and nothing fails. fp32/bf16: the scale is 1.
+    - ``no_sync_func`` and ``grad_sync_func`` only with ``parallel.overlap_grad_reduce``; Megatron-LM's
+      ``align_grad_reduce`` has no switch here and keeps its default (on), so grad_sync_func comes with it.
+    - ``param_sync_func`` only with ``overlap_param_gather`` under VPP: Megatron-LM switches its
+      ``align_param_gather`` off without the interleaved schedule (the only one that calls it).
+    - ``finalize_model_grads_func``: megatron-core's ``finalize_model_grads``.
+    One chunk gets the bare function, several a list (the interleaved schedule indexes it per chunk).
+    Call after ``build_optimizer``: the optimizer owns the loss scale.
+    """
     from megatron.core.distributed import finalize_model_grads
 
+    def per_chunk(name: str):
+        funcs = [getattr(chunk, name) for chunk in model]
+        return funcs[0] if len(funcs) == 1 else funcs
+
+    p = cfg.parallel
     config = model[0].config
-    no_sync = [chunk.no_sync for chunk in model]
-    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = config.grad_sync_func = config.param_sync_func = None
+    if p.overlap_grad_reduce:
+        config.no_sync_func = per_chunk("no_sync")
+        config.grad_sync_func = per_chunk("start_grad_sync")
+    if p.overlap_param_gather and p.vpp:
+        config.param_sync_func = per_chunk("start_param_sync")
     config.finalize_model_grads_func = finalize_model_grads
-    ddp = model[0].ddp_config
-    if ddp.overlap_grad_reduce:
-        grad_sync = [chunk.start_grad_sync for chunk in model]
-        config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
-    if ddp.overlap_param_gather and ddp.align_param_gather:  # only the interleaved schedule calls it
-        config.param_sync_func = [chunk.start_param_sync for chunk in model]
 
 
 def finish_param_sync(model: List[torch.nn.Module]) -> None:
