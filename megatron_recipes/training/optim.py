@@ -122,15 +122,26 @@ def configure_schedule_hooks(cfg: RunConfig, model: List[torch.nn.Module], optim
 
 
 def finish_param_sync(model: List[torch.nn.Module]) -> None:
-    """Complete the parameter all-gathers that ``overlap_param_gather`` defers to the next forward.
+    """Complete the parameter all-gathers that megatron DDP's ``overlap_param_gather`` defers to the next
+    forward; call before an evaluation, a save or an export (a no-op without the overlap).
 
-    With it, ``optimizer.step()`` updates only this rank's shard; the other ranks' shards arrive in the
-    next forward's pre-hooks. A checkpoint, an evaluation or an export in between would read the
-    previous step's copy of them, so call this first (a no-op without the overlap).
+    With the overlap, ``optimizer.step()`` updates only this rank's shard and the other ranks' shards arrive
+    in the next forward's pre-hooks, so a save or an evaluation in between would read the previous step's
+    copy of them. Megatron-LM's rule (``should_disable_forward_pre_hook``): only megatron DDP with the
+    distributed optimizer. Before a save it forces the gathers as here; around an evaluation it also takes
+    the forward pre-hooks off and puts them back. That toggle is not mirrored: after a forced gather every
+    bucket group counts as dispatched with nothing pending, so the hooks find nothing to wait for or to
+    dispatch, and the interleaved schedule drops ``param_sync_func`` for forward-only passes.
+
+    Not under Megatron-FSDP (as Megatron-LM): there each unit's forward gathers its own parameters and frees
+    them after, and a save reads the shards; zero3 sets ``overlap_param_gather`` itself, and a forced sync
+    would gather every bucket and keep it, i.e. the whole unsharded model on each rank.
     """
     for chunk in model:
         ddp = getattr(chunk, "ddp_config", None)
-        if ddp is not None and ddp.use_distributed_optimizer and ddp.overlap_param_gather:
+        if ddp is None or ddp.use_megatron_fsdp:
+            continue
+        if ddp.use_distributed_optimizer and ddp.overlap_param_gather:
             chunk.start_param_sync(force_sync=True)
 
 
