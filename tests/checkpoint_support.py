@@ -62,9 +62,9 @@ class Trainer:
         if seed is not None:
             distributed.seed_everything(seed)
         self.model = optim.wrap_model(cfg, build_model_chunks(cfg))
-        optim.configure_schedule_hooks(self.model)
         self.optimizer = optim.build_optimizer(cfg, self.model)
         self.scheduler = optim.build_scheduler(cfg, self.optimizer)
+        optim.configure_schedule_hooks(cfg, self.model, self.optimizer)
         self.forward_step = step.make_forward_step(self.runtime.device, False)
 
     def train(self, first_step: int, last_step: int) -> List[float]:

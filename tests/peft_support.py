@@ -85,9 +85,9 @@ def _optimize(cfg, chunks, steps: int):
     from megatron_recipes.training import optim, step
 
     model = optim.wrap_model(cfg, chunks)
-    optim.configure_schedule_hooks(model)
     optimizer = optim.build_optimizer(cfg, model)
     scheduler = optim.build_scheduler(cfg, optimizer)
+    optim.configure_schedule_hooks(cfg, model, optimizer)
     forward_step = step.make_forward_step(torch.device("cpu"), use_te=False)
     batches = fixed_batches(cfg, steps)
     per_step = len(batches) // steps

@@ -105,9 +105,9 @@ def _fsdp_from_torch_dist(run_dir: str, ckpt: str):
     chunks = build_model_chunks(t.cfg)
     load_weights(Path(ckpt), chunks, t.cfg)
     t.model = optim.wrap_model(t.cfg, chunks)
-    optim.configure_schedule_hooks(t.model)
     t.optimizer = optim.build_optimizer(t.cfg, t.model)
     t.scheduler = optim.build_scheduler(t.cfg, t.optimizer)
+    optim.configure_schedule_hooks(t.cfg, t.model, t.optimizer)
     t.forward_step = step.make_forward_step(t.runtime.device, False)
     logits = t.logits()
     try:

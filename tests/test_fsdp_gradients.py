@@ -46,9 +46,9 @@ def train_steps(world: int, overrides: List[str], steps: int) -> List[Tuple[floa
     chunks = build_model_chunks(cfg)
     ps.set_base_weights(chunks)
     model = optim.wrap_model(cfg, chunks)
-    optim.configure_schedule_hooks(model)
     optimizer = optim.build_optimizer(cfg, model)
     scheduler = optim.build_scheduler(cfg, optimizer)
+    optim.configure_schedule_hooks(cfg, model, optimizer)
     forward_step = step.make_forward_step(torch.device("cpu"), use_te=False)
     batches = ps.fixed_batches(cfg, steps)
     per_step = len(batches) // steps

@@ -63,7 +63,7 @@ def _param_sync_setup(run_dir: str, vpp):
     cfg = tiny_cfg(run_dir, pp=2, vpp=vpp, world=2, extra=flags)
     distributed.init_model_parallel(cfg)
     model = optim.wrap_model(cfg, build_model_chunks(cfg))
-    optim.configure_schedule_hooks(model)
+    optim.configure_schedule_hooks(cfg, model, optim.build_optimizer(cfg, model))
     funcs = model[0].config.param_sync_func
     dispatchers = [f == chunk.start_param_sync for f, chunk in zip(funcs, model)] if funcs is not None else None
     return [chunk.ddp_config.align_param_gather for chunk in model], dispatchers

@@ -138,7 +138,6 @@ class Trainer:
         self.start.load_weights(chunks)  # pretrained, PEFT base or own seed: into the bare chunks, before wrapping
         self.peft = prepare_for_training(self.cfg, chunks)  # PEFT adapters (before DDP)
         self.model = optim.wrap_model(self.cfg, chunks)
-        optim.configure_schedule_hooks(self.model)
         self.optimizer = optim.build_optimizer(self.cfg, self.model)
         if self.start.weights is not None:
             # Main params from the loaded weights, as Megatron-LM's load_checkpoint does without optimizer
@@ -148,6 +147,7 @@ class Trainer:
             # from the optimizer state afterwards; without main params this is a no-op.
             self.optimizer.reload_model_params()
         self.scheduler = optim.build_scheduler(self.cfg, self.optimizer)
+        optim.configure_schedule_hooks(self.cfg, self.model, self.optimizer)  # grad_scale_func is the optimizer's
         self.forward_step = step.make_forward_step(
             self.device, capabilities.use_transformer_engine(), mtp=bool(self.cfg.model.mtp_num_layers)
         )

@@ -86,32 +86,62 @@ def _schedule_dispatches_param_gather(cfg: RunConfig) -> bool:
     return bool(p.overlap_param_gather and cfg.optimizer.use_distributed_optimizer and p.vpp)
 
 
-def configure_schedule_hooks(model: List[torch.nn.Module]) -> None:
-    """The hooks megatron-core's pipeline schedules call: grad sync control and final grad reduction."""
+def configure_schedule_hooks(cfg: RunConfig, model: List[torch.nn.Module], optimizer) -> None:
+    """The ``TransformerConfig`` hooks megatron-core's schedules call, by Megatron-LM's rule (training.py,
+    just before its training loop), read from the recipe's settings as Megatron-LM reads its arguments
+    (not from a ddp_config that Megatron-FSDP has since changed):
+
+    - ``grad_scale_func = optimizer.scale_loss``, always: the schedule scales each microbatch's loss by it
+      before backward and the optimizer divides the gradients by the same scale. Under fp16 that scale is
+      the DynamicGradScaler's (2**32 at the start): without the hook the updates come out that much too
+      small and nothing fails. fp32/bf16: the scale is 1.
+    - ``no_sync_func`` and ``grad_sync_func`` only with ``parallel.overlap_grad_reduce``; Megatron-LM's
+      ``align_grad_reduce`` has no switch here and keeps its default (on), so grad_sync_func comes with it.
+    - ``param_sync_func`` only with ``overlap_param_gather`` under VPP: Megatron-LM switches its
+      ``align_param_gather`` off without the interleaved schedule (the only one that calls it).
+    - ``finalize_model_grads_func``: megatron-core's ``finalize_model_grads``.
+    One chunk gets the bare function, several a list (the interleaved schedule indexes it per chunk).
+    Call after ``build_optimizer``: the optimizer owns the loss scale.
+    """
     from megatron.core.distributed import finalize_model_grads
 
+    def per_chunk(name: str):
+        funcs = [getattr(chunk, name) for chunk in model]
+        return funcs[0] if len(funcs) == 1 else funcs
+
+    p = cfg.parallel
     config = model[0].config
-    no_sync = [chunk.no_sync for chunk in model]
-    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = config.grad_sync_func = config.param_sync_func = None
+    if p.overlap_grad_reduce:
+        config.no_sync_func = per_chunk("no_sync")
+        config.grad_sync_func = per_chunk("start_grad_sync")
+    if p.overlap_param_gather and p.vpp:
+        config.param_sync_func = per_chunk("start_param_sync")
     config.finalize_model_grads_func = finalize_model_grads
-    ddp = model[0].ddp_config
-    if ddp.overlap_grad_reduce:
-        grad_sync = [chunk.start_grad_sync for chunk in model]
-        config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
-    if ddp.overlap_param_gather and ddp.align_param_gather:  # only the interleaved schedule calls it
-        config.param_sync_func = [chunk.start_param_sync for chunk in model]
 
 
 def finish_param_sync(model: List[torch.nn.Module]) -> None:
-    """Complete the parameter all-gathers that ``overlap_param_gather`` defers to the next forward.
+    """Complete the parameter all-gathers that megatron DDP's ``overlap_param_gather`` defers to the next
+    forward; call before an evaluation, a save or an export (a no-op without the overlap).
 
-    With it, ``optimizer.step()`` updates only this rank's shard; the other ranks' shards arrive in the
-    next forward's pre-hooks. A checkpoint, an evaluation or an export in between would read the
-    previous step's copy of them, so call this first (a no-op without the overlap).
+    With the overlap, ``optimizer.step()`` updates only this rank's shard and the other ranks' shards arrive
+    in the next forward's pre-hooks, so a save or an evaluation in between would read the previous step's
+    copy of them. Megatron-LM's rule (``should_disable_forward_pre_hook``): only megatron DDP with the
+    distributed optimizer. Before a save it forces the gathers as here; around an evaluation it also takes
+    the forward pre-hooks off and puts them back. That toggle is not mirrored: after a forced gather every
+    bucket group counts as dispatched with nothing pending, so the hooks find nothing to wait for or to
+    dispatch, and the interleaved schedule drops ``param_sync_func`` for forward-only passes.
+
+    Not under Megatron-FSDP (as Megatron-LM): there each unit's forward gathers its own parameters and frees
+    them after, and a save reads the shards; zero3 sets ``overlap_param_gather`` itself, and a forced sync
+    would gather every bucket and keep it, i.e. the whole unsharded model on each rank.
     """
     for chunk in model:
         ddp = getattr(chunk, "ddp_config", None)
-        if ddp is not None and ddp.use_distributed_optimizer and ddp.overlap_param_gather:
+        if ddp is None or ddp.use_megatron_fsdp:
+            continue
+        if ddp.use_distributed_optimizer and ddp.overlap_param_gather:
             chunk.start_param_sync(force_sync=True)
 
 
