@@ -280,6 +280,11 @@ class TrainConfig:
     # Stop cleanly (checkpoint first) once the step count is a multiple of this (Megatron-LM's
     # --exit-interval): for jobs split into fixed chunks of steps. None = run to train_iters.
     exit_interval: Optional[int] = None
+    # megatron-core's deterministic_mode (bit-for-bit repeatable runs, slower): the embedding backward
+    # without atomics, and Transformer Engine's attention refuses to start unless the environment has
+    # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (Megatron-LM --deterministic-mode also wants NCCL_ALGO set and
+    # torch.use_deterministic_algorithms; benchmarks/gpu_check.py sets all three around the trainer).
+    deterministic: bool = False
     fusions: FusionsConfig = field(default_factory=FusionsConfig)
 
 
