@@ -150,6 +150,10 @@ class ClusterConfig:
     require_account: bool = False
     time_limit: str = "04:00:00"
     cpus_per_task: Optional[int] = None  # CPUs of one node: torchrun's task gets all, pmix splits them per rank
+    # sbatch --mem (memory per node): "0" = all of each node's memory, as a job with the whole node expects
+    # (a site's DefMemPerCPU would otherwise cap it: offloaded optimizer state then cannot fit); a size
+    # such as "1500G"; null leaves it to the site's defaults (and allows --mem-per-cpu/--mem-per-gpu extras)
+    mem: Optional[str] = "0"
     exclusive: bool = True
     container_image: Optional[str] = None
     container_mounts: List[str] = field(default_factory=list)
