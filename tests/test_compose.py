@@ -74,6 +74,7 @@ def test_model_configs_match_published_sizes():
     assert model_params(qwen25).total / 1e9 == pytest.approx(7.62, rel=0.01)
     dsv3 = compose_recipe("deepseek_v3_pretrain")  # 671B main model + one MTP layer
     assert 671 < model_params(dsv3).total / 1e9 < 690
+    assert dsv3.model.init_method_std == 0.006  # DeepSeek-V3 technical report, section 4.2 (Megatron-Bridge agrees)
 
 
 def test_overrides_reach_the_typed_config():

@@ -137,3 +137,10 @@ def test_packed_sft_with_several_rows_per_micro_batch_is_refused_where_te_runs()
     assert not unmet_requirements(cfg, cpu)
     one_row = compose_recipe("tiny_llama_sft", ["data.sft_path=train.jsonl", "train.micro_batch_size=1"])
     assert not unmet_requirements(one_row, hopper)
+
+
+def test_deterministic_runs_reach_megatron_cores_deterministic_mode():
+    """benchmarks/gpu_check.py compares runs bit for bit with train.deterministic=true; megatron-core only
+    chooses its deterministic code (embedding backward, TE attention's guard) from deterministic_mode."""
+    assert _gpu_config(_cfg("train.deterministic=true")).deterministic_mode is True
+    assert _gpu_config(_cfg()).deterministic_mode is False

@@ -72,6 +72,19 @@ def test_header_asks_for_signal_requeue_and_resources(cpu_script):
     assert "trap '" in text and "' USR1" in text
 
 
+def test_memory_is_the_whole_node_unless_the_cluster_says_otherwise(tmp_path):
+    """Sites with DefMemPerCPU give a job without --mem only that much per CPU: a GPU cluster asks for the
+    whole node (--mem=0) by default; cluster.mem sets a size; null (slurm_cpu's shared nodes) asks nothing."""
+    def header(*extra):
+        _, text = render("tiny_llama_cpu", cpu_overrides(tmp_path, *extra))
+        return [ln for ln in text.splitlines() if ln.startswith("#SBATCH --mem")]
+
+    assert header() == []  # slurm_cpu: mem null
+    assert header("cluster.mem=0") == ["#SBATCH --mem=0"]
+    assert header("cluster.mem=500G") == ["#SBATCH --mem=500G"]
+    assert compose_recipe("llama3_70b_pretrain").cluster.mem == "0"
+
+
 def test_bash_syntax_and_shellcheck(cpu_script, container_script):
     for text_path in (cpu_script[2], container_script[2]):
         subprocess.run(["bash", "-n", str(text_path)], check=True)

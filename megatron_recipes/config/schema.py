@@ -150,6 +150,10 @@ class ClusterConfig:
     require_account: bool = False
     time_limit: str = "04:00:00"
     cpus_per_task: Optional[int] = None  # CPUs of one node: torchrun's task gets all, pmix splits them per rank
+    # sbatch --mem (memory per node): "0" = all of each node's memory, as a job with the whole node expects
+    # (a site's DefMemPerCPU would otherwise cap it: offloaded optimizer state then cannot fit); a size
+    # such as "1500G"; null leaves it to the site's defaults (and allows --mem-per-cpu/--mem-per-gpu extras)
+    mem: Optional[str] = "0"
     exclusive: bool = True
     container_image: Optional[str] = None
     container_mounts: List[str] = field(default_factory=list)
@@ -280,6 +284,11 @@ class TrainConfig:
     # Stop cleanly (checkpoint first) once the step count is a multiple of this (Megatron-LM's
     # --exit-interval): for jobs split into fixed chunks of steps. None = run to train_iters.
     exit_interval: Optional[int] = None
+    # megatron-core's deterministic_mode (bit-for-bit repeatable runs, slower): the embedding backward
+    # without atomics, and Transformer Engine's attention refuses to start unless the environment has
+    # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (Megatron-LM --deterministic-mode also wants NCCL_ALGO set and
+    # torch.use_deterministic_algorithms; benchmarks/gpu_check.py sets all three around the trainer).
+    deterministic: bool = False
     fusions: FusionsConfig = field(default_factory=FusionsConfig)
 
 

@@ -12,13 +12,15 @@ from typing import Optional
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MEM = re.compile(r"^\d+[KMGT]?$")  # sbatch --mem: a number, optionally with a K/M/G/T unit (M when none)
+MEM_PER_UNIT = ("--mem-per-cpu", "--mem-per-gpu")  # sbatch refuses them beside --mem
 # Options the recipe owns (option -> the field that sets it): set through cluster.* so the layout, the
 # rendezvous and the requeue agree.
 OWNED_OPTIONS = {
     "--nodes": "cluster.nodes", "-N": "cluster.nodes", "--ntasks-per-node": "cluster.gpus_per_node/launcher",
     "--ntasks": "cluster.nodes/gpus_per_node", "-n": "cluster.nodes/gpus_per_node",
     "--gpus-per-node": "cluster.gpus_per_node", "--gres": "cluster.gpus_per_node",
-    "--cpus-per-task": "cluster.cpus_per_task", "-c": "cluster.cpus_per_task",
+    "--cpus-per-task": "cluster.cpus_per_task", "-c": "cluster.cpus_per_task", "--mem": "cluster.mem",
     "--time": "cluster.time_limit", "-t": "cluster.time_limit", "--account": "cluster.account",
     "-A": "cluster.account", "--partition": "cluster.partition", "-p": "cluster.partition",
     "--signal": "cluster.preempt_signal/preempt_signal_lead_s", "--requeue": "(always set)",

@@ -199,6 +199,7 @@ def build_transformer_config(cfg: RunConfig, use_te: bool, cpu_init: bool, fusio
         use_cpu_initialization=cpu_init,
         masked_softmax_fusion=False,
         deallocate_pipeline_outputs=True,
+        deterministic_mode=cfg.train.deterministic,
     )
     # Fused kernels as models.fusions decided for this machine (all off when not given: conversion).
     fields.update({name: False for name in fusions_off()})

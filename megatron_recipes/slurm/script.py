@@ -81,6 +81,8 @@ def _header(plan: LaunchPlan) -> List[str]:
         lines.append(f"#SBATCH --gpus-per-node={c.gpus_per_node}")
     if plan.cpus_per_task:
         lines.append(f"#SBATCH --cpus-per-task={plan.cpus_per_task}")
+    if c.mem is not None:
+        lines.append(f"#SBATCH --mem={c.mem}")
     lines.append(f"#SBATCH --time={c.time_limit}")
     if c.account:
         lines.append(f"#SBATCH --account={_sbatch_quote(c.account)}")

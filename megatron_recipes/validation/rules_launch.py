@@ -11,7 +11,9 @@ from typing import List, Optional
 
 from megatron_recipes.config import container_flags as container
 from megatron_recipes.config.schema import LAUNCHERS, RunConfig
-from megatron_recipes.config.slurm_syntax import ENV_NAME, OWNED_OPTIONS, option_name, signal_name, time_limit_seconds
+from megatron_recipes.config.slurm_syntax import (
+    ENV_NAME, MEM, MEM_PER_UNIT, OWNED_OPTIONS, option_name, signal_name, time_limit_seconds,
+)
 from megatron_recipes.validation.rules_base import Host, choices, rule
 
 
@@ -91,6 +93,23 @@ def _cpus(cfg: RunConfig, _host: Host) -> Optional[str]:
     c = cfg.cluster
     if c.cpus_per_task is not None and c.cpus_per_task < c.gpus_per_node:
         return f"cluster.cpus_per_task={c.cpus_per_task} CPUs per node cannot feed {c.gpus_per_node} ranks"
+    return None
+
+
+@rule("slurm.mem", ["cluster.mem", "cluster.sbatch_extra"],
+      "cluster.mem (sbatch --mem per node) is a size like 0 (the whole node), 512G or 800000, and is not "
+      "combined with --mem-per-cpu/--mem-per-gpu extras (sbatch refuses both)",
+      "cluster.mem=0 (all of each node's memory), cluster.mem=<N>[K|M|G|T], or cluster.mem=null to use "
+      "--mem-per-cpu/--mem-per-gpu in cluster.sbatch_extra", scope="launch")
+def _mem(cfg: RunConfig, _host: Host) -> Optional[str]:
+    mem = cfg.cluster.mem
+    if mem is None:
+        return None
+    if not MEM.match(str(mem)):
+        return f"cluster.mem={mem!r} is not an sbatch --mem size"
+    per_unit = [str(x) for x in cfg.cluster.sbatch_extra if option_name(str(x)) in MEM_PER_UNIT]
+    if per_unit:
+        return f"cluster.mem={mem} sets --mem, and cluster.sbatch_extra sets {per_unit}: sbatch accepts only one"
     return None
 
 
@@ -205,6 +224,6 @@ def _run_dir(cfg: RunConfig, _host: Host) -> Optional[str]:
 
 
 LAUNCH_RULES = [
-    _account, _time_limit, _preempt_signal, _preempt_lead, _max_restarts, _launcher, _cpus, _extra_format,
+    _account, _time_limit, _preempt_signal, _preempt_lead, _max_restarts, _launcher, _cpus, _mem, _extra_format,
     _extra_owned, _env_name, _container_image, _mount_syntax, _mount_source, _workdir, _run_dir_mounted, _run_dir,
 ]
