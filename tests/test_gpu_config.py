@@ -144,3 +144,24 @@ def test_deterministic_runs_reach_megatron_cores_deterministic_mode():
     chooses its deterministic code (embedding backward, TE attention's guard) from deterministic_mode."""
     assert _gpu_config(_cfg("train.deterministic=true")).deterministic_mode is True
     assert _gpu_config(_cfg()).deterministic_mode is False
+
+
+@pytest.mark.parametrize(
+    "overrides, reuse",
+    [
+        (("precision=mxfp8", "precision.fp8_param_gather=true"), True),
+        (("precision=mxfp8", "precision.fp8_param_gather=true", "parallel.fsdp=true"), False),  # FSDP keeps its own buffers
+        (("precision=mxfp8",), False),  # parameters stay bf16: no FP8 gather
+        (("precision=fp8_delayed", "precision.fp8_param_gather=true"), False),  # only MXFP8 tensors refuse the remap
+    ],
+)
+def test_mxfp8_param_gather_shares_the_grad_buffer_as_megatron_core_requires(overrides, reuse):
+    """megatron-core lays MXFP8 params over the grad buffer under the distributed optimizer and, without
+    reuse_grad_buf_for_mxfp8_param_ag, remaps them through TE's replace_raw_data, which MXFP8 refuses: a crash
+    at wrapping on Blackwell. Both configs are megatron-core's own (their validation runs)."""
+    from megatron_recipes.training import optim
+
+    cfg = _cfg("optimizer.use_distributed_optimizer=true", *overrides)
+    ddp, opt = optim.ddp_config(cfg), optim.optimizer_config(cfg)
+    assert ddp.reuse_grad_buf_for_mxfp8_param_ag is reuse and opt.reuse_grad_buf_for_mxfp8_param_ag is reuse
+    assert ddp.fp8_param_gather is cfg.precision.fp8_param_gather

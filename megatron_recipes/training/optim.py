@@ -50,8 +50,36 @@ def ddp_config(cfg: RunConfig):
         # which is what align_param_gather tells megatron-core's DDP. Without VPP the hooks dispatch.
         align_param_gather=_schedule_dispatches_param_gather(cfg),
         average_in_collective=False,  # per-token loss: finalize_model_grads divides by the token count
+        # FP8 parameters: megatron DDP and Megatron-FSDP size and gather their buffers by it (Megatron-LM
+        # passes the same flag to both configs).
+        fp8_param_gather=cfg.precision.fp8_param_gather,
+        reuse_grad_buf_for_mxfp8_param_ag=reuse_grad_buffer_for_mxfp8(cfg),
         **fsdp,
     )
+
+
+def reuse_grad_buffer_for_mxfp8(cfg: RunConfig) -> bool:
+    """MXFP8 parameters gathered in FP8 under megatron DDP's distributed optimizer: megatron-core always lays
+    the param buffer over the grad buffer there, and without this flag it remaps each MXFP8 parameter into it
+    through TE's ``replace_raw_data``, which MXFP8 tensors refuse (a crash at wrapping, megatron-core 0.16
+    param_and_grad_buffer.py). Megatron-LM leaves the flag to the user and turns it off under Megatron-FSDP,
+    which keeps its own buffers; here it follows from the recipe."""
+    prec = cfg.precision
+    return bool(prec.fp8 and prec.fp8_recipe == "mxfp8" and prec.fp8_param_gather
+                and cfg.optimizer.use_distributed_optimizer and not cfg.parallel.fsdp)
+
+
+def refresh_shared_param_buffer(cfg: RunConfig, optimizer) -> None:
+    """After the grad buffers were zeroed: put the main params back into the MXFP8 param buffer they share
+    (``reuse_grad_buffer_for_mxfp8`` with ``overlap_param_gather``, whose deferred all-gathers read it in
+    the next forward), as Megatron-LM's train_step does; a no-op otherwise."""
+    if not (reuse_grad_buffer_for_mxfp8(cfg) and cfg.parallel.overlap_param_gather):
+        return
+    from megatron.core.optimizer import DistributedOptimizer
+
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(part, DistributedOptimizer):
+            part._copy_main_params_to_param_buffer()
 
 
 def wrap_model(cfg: RunConfig, chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
@@ -180,6 +208,7 @@ def optimizer_config(cfg: RunConfig):
         # Megatron-LM requires it with optimizer_cpu_offload: HybridDeviceOptimizer reuses that code path
         # (its __post_init__ then skips the TE FusedAdam check; constructing it still asks TE's version)
         use_precision_aware_optimizer=o.cpu_offload,
+        reuse_grad_buf_for_mxfp8_param_ag=reuse_grad_buffer_for_mxfp8(cfg),
     )
 
 

@@ -16,6 +16,7 @@ import torch
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.training import optim
 
 LOSS_KEY = "lm loss"
 ANSWER_KEY = "answers"  # [answers the model gets right, answers], for SFT task accuracy
@@ -178,6 +179,7 @@ def train_step(cfg: RunConfig, model, optimizer, scheduler, iterators, forward_s
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    optim.refresh_shared_param_buffer(cfg, optimizer)  # MXFP8 params sharing the zeroed grad buffer
     losses = _run_schedule(cfg, model, iterators, forward_step, forward_only=False)
     lr = float(optimizer.param_groups[0]["lr"])  # the rate this step applies (the scheduler moves it after)
     updated, grad_norm, _ = optimizer.step()
