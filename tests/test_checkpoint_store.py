@@ -171,3 +171,24 @@ def test_rng_is_restored_only_on_the_same_ranks(cfg):
     assert identity.same_ranks(lay, dict(lay))
     assert not identity.same_ranks(lay, dict(lay, tp=1, dp=2))
     assert identity.model_parallel_changed(lay, dict(lay, pp=2)) == ["pp: 1 -> 2"]
+
+
+def test_retention_never_removes_the_checkpoint_the_save_just_wrote(tmp_path, cfg):
+    # Before: a seed run (train.train_iters=0) in a run dir holding iter_300 and iter_400 (keep_last=2) wrote
+    # iter_0, retention by step order deleted it, and the run printed "seed checkpoint written: .../iter_0000000".
+    from megatron_recipes.checkpoint import _save_load
+
+    for step in (300, 400):
+        _fake(tmp_path, step)
+    store.write_tracker(tmp_path, 400)
+    staging = store.prepare_staging(tmp_path, 0)
+    for name in store.MCORE_FILES:
+        (staging / name).write_bytes(b"x")
+    meta = {"format": store.FORMAT, "format_version": store.FORMAT_VERSION, "complete": True, "step": 0}
+    seed = _save_load._finish(tmp_path, 0, meta, cfg, keep_last=2)
+    assert store.is_complete(seed) and store.read_tracker(tmp_path) == 0
+    assert [s for s, _ in store.complete_checkpoints(tmp_path)] == [0, 300, 400]  # nothing else removed either
+    _fake(tmp_path, 500)
+    store.write_tracker(tmp_path, 500)  # the run goes on: ordinary retention again
+    store.prune(tmp_path, keep_last=2)
+    assert [s for s, _ in store.complete_checkpoints(tmp_path)] == [400, 500]

@@ -234,14 +234,20 @@ def _fsync_file(path: Path) -> None:
 
 
 def prune(root: Path, keep_last: int) -> List[Path]:
-    """Keep the newest ``keep_last`` complete checkpoints (0 keeps all); drop leftovers of killed saves."""
+    """Keep the newest ``keep_last`` complete checkpoints (0 keeps all); drop leftovers of killed saves.
+
+    The tracker's checkpoint is never removed: a save writes the tracker before retention, so what a run
+    has just written survives it even when older than the rest (a step-0 seed written into a run dir that
+    already holds iter_0000300 was deleted by its own save, and then announced as written)."""
     root = Path(root)
     removed = []
     complete = complete_checkpoints(root)
+    tracked = read_tracker(root)
     if keep_last > 0:
-        for _, path in complete[:-keep_last]:
-            _remove(path)
-            removed.append(path)
+        for step, path in complete[:-keep_last]:
+            if step != tracked:
+                _remove(path)
+                removed.append(path)
     return removed + clean_leftovers(root)
 
 
