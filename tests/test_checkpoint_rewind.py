@@ -30,9 +30,9 @@ def test_a_rewind_keeps_its_start_and_a_requeue_resumes_the_new_branch(tmp_path,
     assert _steps(root) == [4, 6]
     rewound = ts.train(run, cache, *BASE, "train.train_iters=5", "checkpoint.save_interval=1",
                        f"checkpoint.load={checkpoint.iter_dir(root, 4)}").check()
-    assert "rewound to" in rewound.output, rewound.output[-3000:]
     assert _steps(root) == [4, 5, 6]  # the rewind point stays; the abandoned iter_6 is not deleted either
     assert checkpoint.latest(root) == checkpoint.iter_dir(root, 5)
+    assert "rewound to" in rewound.output, rewound.output[-3000:]
     requeued = ts.train(run, cache, *BASE, "train.train_iters=5", "checkpoint.save_interval=1").check()
     assert f"resumed from {checkpoint.iter_dir(root, 5)} at step 5" in requeued.output, requeued.output[-3000:]
     assert _steps(root) == [4, 5, 6]
