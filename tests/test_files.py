@@ -39,7 +39,12 @@ def _special_paths(tmp_path):
     link.symlink_to(target)
     folder = tmp_path / "folder"
     folder.mkdir()
-    return [
+    found = []
+    if os.geteuid() == 0:  # as root `report --out /dev/full` replaced the device node; here a null device of our own
+        device = tmp_path / "null"
+        os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        found.append(("device node", device, lambda: stat.S_ISCHR(os.lstat(device).st_mode)))
+    return found + [
         ("named pipe", fifo, lambda: stat.S_ISFIFO(os.lstat(fifo).st_mode)),
         ("symbolic link", link, lambda: link.is_symlink() and target.read_text() == "the user's page"),
         ("folder", folder, lambda: folder.is_dir()),
