@@ -351,3 +351,83 @@ def test_fine_tuning_on_mock_tokens_runs_short_sequences_and_offloading_is_off()
     own = compose_recipe("tiny_llama_sft", planned["layout"])
     assert own.data.kind == "sft" and own.train.seq_length == compose_recipe("tiny_llama_sft", []).train.seq_length
 
+
+
+# --- what the check may delete, and when its verdict means something (issue 30, cases 1 and 11) -----
+class _NothingTrains(Exception):
+    """Raised where the check would start its first run: the tests below stop there."""
+
+
+@pytest.fixture
+def no_runs(monkeypatch):
+    """The check up to its first run, without the ranks' server or any training."""
+    from megatron_recipes.check import cli, ranks, runs
+
+    monkeypatch.setattr(ranks, "context", lambda **_: None)
+    monkeypatch.setattr(ranks, "stop", lambda: None)
+
+    def train_together(*_a, **_k):
+        raise _NothingTrains()
+
+    monkeypatch.setattr(runs, "train_together", train_together)
+    return cli
+
+
+def test_check_never_deletes_a_folder_it_did_not_write(no_runs, tmp_path):
+    # Before: `check tiny_llama_cpu --dir <existing folder>` removed the folder and everything in it.
+    from megatron_recipes.config.errors import RecipeError
+
+    mine = tmp_path / "my-run"
+    (mine / "checkpoints").mkdir(parents=True)
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(RecipeError, match="--dir.*not a check output") as err:
+        no_runs.main(["tiny_llama_cpu", "--dir", str(mine)])
+    assert "remove this one yourself" in err.value.fix
+    assert (mine / "notes.txt").read_text() == "keep me" and (mine / "checkpoints").is_dir()
+
+
+def test_check_refuses_a_run_name_that_climbs_out_of_runs(no_runs, tmp_path, monkeypatch):
+    # Before: `check ... run.name=..` made the output runs/check/.., i.e. ./runs, and deleted it whole.
+    from megatron_recipes.config.errors import RecipeError
+
+    monkeypatch.chdir(tmp_path)
+    other = tmp_path / "runs" / "pretrain" / "checkpoints"
+    other.mkdir(parents=True)
+    with pytest.raises(RecipeError, match=r"run\.name.*'\.\.'"):
+        no_runs.main(["tiny_llama_cpu", "run.name=.."])
+    assert other.is_dir()
+
+
+def test_check_replaces_its_own_previous_output_and_marks_the_new_one(no_runs, tmp_path):
+    from megatron_recipes import files
+
+    out = tmp_path / "check"
+    first = files.fresh_own_dir(out, no_runs.OUTPUT, "--dir")
+    (first / "layout.log").write_text("an old run")
+    with pytest.raises(_NothingTrains):  # the check went on to its runs
+        no_runs.main(["tiny_llama_cpu", "--dir", str(out)])
+    assert not (out / "layout.log").exists() and files.own_kind(out) == "check"
+
+
+@pytest.mark.parametrize("flag, value", [("--max-ranks", "0"), ("--max-ranks", "1"), ("--rtol", "nan"), ("--rtol", "0"),
+                                         ("--rtol", "-1e-5"), ("--rtol", "inf"), ("--rtol", "2")])
+def test_check_refuses_flags_that_would_prove_nothing(no_runs, tmp_path, capsys, flag, value):
+    # Before: --max-ranks 0 compared one rank with one rank and printed PROVEN; --rtol took any number.
+    from megatron_recipes import cli as top
+
+    code = top.main(["check", "tiny_llama_cpu", f"{flag}={value}", "--dir", str(tmp_path / "check")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{flag} {float(value) if flag == '--rtol' else value}" in err and "fix: use" in err, err
+    assert not (tmp_path / "check").exists()
+
+
+def test_check_refuses_a_layout_that_is_the_one_rank_reference(no_runs, tmp_path):
+    # Before: a one-rank layout was "proven" against the one-rank reference.
+    from megatron_recipes.cli_args import split_args
+    from megatron_recipes.config.errors import RecipeError
+
+    args = split_args(["tiny_llama_cpu", "parallel.tp=1", "cluster.gpus_per_node=1", "--dir", str(tmp_path / "c")],
+                      no_runs.PROG, no_runs.FLAGS)
+    with pytest.raises(RecipeError, match="same as the one-rank reference"):
+        no_runs._check(args, no_runs._compose(args.recipe, args.overrides))
+    assert not (tmp_path / "c").exists()

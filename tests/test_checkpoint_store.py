@@ -46,11 +46,42 @@ def test_latest_takes_only_complete_folders(tmp_path):
     assert [s for s, _ in store.complete_checkpoints(tmp_path)] == [100, 200]
 
 
-def test_latest_prefers_newest_complete_over_stale_tracker(tmp_path):
-    _fake(tmp_path, 100)
-    newest = _fake(tmp_path, 200)  # renamed into place, then killed before the tracker update
+def test_latest_is_the_trackers_answer_when_it_names_a_complete_checkpoint(tmp_path):
+    # Before: the newest complete folder won over the tracker, so after a rewind to 100 the abandoned 200
+    # was resumed by the next plain start. A save killed between its rename and the tracker update is now
+    # trained again from the tracked one (as Megatron-LM's loader, which reads the tracker, does).
+    tracked = _fake(tmp_path, 100)
+    newest = _fake(tmp_path, 200)
     store.write_tracker(tmp_path, 100)
+    assert store.latest(tmp_path) == tracked
+    store.write_tracker(tmp_path, 150)  # a tracker naming no complete folder: the newest complete one
     assert store.latest(tmp_path) == newest
+    (tmp_path / store.TRACKER).unlink()
+    assert store.latest(tmp_path) == newest
+
+
+def test_a_rewind_is_tracked_and_its_start_survives_retention_until_the_branch_overtakes(tmp_path):
+    for step in (100, 200, 300):
+        _fake(tmp_path, step)
+    store.write_tracker(tmp_path, 300)
+    assert not store.record_resume(tmp_path, 300)  # a plain continuation
+    assert store.record_resume(tmp_path, 200)  # checkpoint.load=.../iter_0000200
+    assert store.latest(tmp_path) == store.iter_dir(tmp_path, 200) and store.read_resumed(tmp_path) == 200
+    assert not store.record_resume(tmp_path, 200)  # a requeue of the rewound run: still protected
+    _fake(tmp_path, 250)
+    store.write_tracker(tmp_path, 250)
+    store.prune(tmp_path, keep_last=2)
+    assert [s for s, _ in store.complete_checkpoints(tmp_path)] == [200, 250, 300]
+    assert store.latest(tmp_path) == store.iter_dir(tmp_path, 250)
+    _fake(tmp_path, 260)
+    store.write_tracker(tmp_path, 260)
+    store.prune(tmp_path, keep_last=2)
+    assert [s for s, _ in store.complete_checkpoints(tmp_path)] == [200, 260, 300]
+    store._remove(store.iter_dir(tmp_path, 300))  # the branch's own save of step 300 replaced the abandoned one
+    _fake(tmp_path, 300)
+    store.write_tracker(tmp_path, 300)
+    store.prune(tmp_path, keep_last=2)
+    assert [s for s, _ in store.complete_checkpoints(tmp_path)] == [260, 300] and store.read_resumed(tmp_path) is None
 
 
 def test_prune_keeps_last_k_and_drops_leftovers(tmp_path):
@@ -171,3 +202,24 @@ def test_rng_is_restored_only_on_the_same_ranks(cfg):
     assert identity.same_ranks(lay, dict(lay))
     assert not identity.same_ranks(lay, dict(lay, tp=1, dp=2))
     assert identity.model_parallel_changed(lay, dict(lay, pp=2)) == ["pp: 1 -> 2"]
+
+
+def test_retention_never_removes_the_checkpoint_the_save_just_wrote(tmp_path, cfg):
+    # Before: a seed run (train.train_iters=0) in a run dir holding iter_300 and iter_400 (keep_last=2) wrote
+    # iter_0, retention by step order deleted it, and the run printed "seed checkpoint written: .../iter_0000000".
+    from megatron_recipes.checkpoint import _save_load
+
+    for step in (300, 400):
+        _fake(tmp_path, step)
+    store.write_tracker(tmp_path, 400)
+    staging = store.prepare_staging(tmp_path, 0)
+    for name in store.MCORE_FILES:
+        (staging / name).write_bytes(b"x")
+    meta = {"format": store.FORMAT, "format_version": store.FORMAT_VERSION, "complete": True, "step": 0}
+    seed = _save_load._finish(tmp_path, 0, meta, cfg, keep_last=2)
+    assert store.is_complete(seed) and store.read_tracker(tmp_path) == 0
+    assert [s for s, _ in store.complete_checkpoints(tmp_path)] == [0, 300, 400]  # nothing else removed either
+    _fake(tmp_path, 500)
+    store.write_tracker(tmp_path, 500)  # the run goes on: ordinary retention again
+    store.prune(tmp_path, keep_last=2)
+    assert [s for s, _ in store.complete_checkpoints(tmp_path)] == [400, 500]

@@ -36,3 +36,31 @@ def test_import_verifies_small_models_and_verify_fails_on_other_weights(tmp_path
     captured = capsys.readouterr()
     assert code == 2
     assert "FAIL" in captured.out and "logits differ by up to" in captured.err
+
+
+def test_export_overwrite_never_removes_its_own_source_or_an_hf_download(tmp_path, capsys):
+    # Before: `convert export ckpt_dir=hfx/megatron hf_dir=hfx --overwrite` replaced hfx whole, the source
+    # checkpoint inside it included; and any folder with a config.json (an HF download) counted as ours.
+    hf = make_hf_model("llama", tmp_path / "download")
+    hfx = tmp_path / "hfx"
+    ckpt = hfx / "megatron"
+    assert main(["convert", "import", f"hf_dir={hf}", f"out_dir={tmp_path / 'first'}", "--no-verify", "--quiet"]) == 0
+    assert main(["convert", "export", f"ckpt_dir={tmp_path / 'first'}", f"hf_dir={hfx}", "--no-verify", "--quiet"]) == 0
+    assert main(["convert", "import", f"hf_dir={hfx}", f"out_dir={ckpt}", "--no-verify", "--quiet"]) == 0
+    download = sorted(p.name for p in hf.iterdir())
+    capsys.readouterr()
+
+    code = main(["convert", "export", f"ckpt_dir={ckpt}", f"hf_dir={hfx}", "--overwrite", "--no-verify", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds the input ckpt_dir" in err and "fix: choose a hf_dir outside ckpt_dir" in err, err
+    assert (ckpt / "latest_checkpointed_iteration.txt").is_file() and (hfx / "config.json").is_file()
+
+    code = main(["convert", "export", f"ckpt_dir={ckpt}", f"hf_dir={hf}", "--overwrite", "--no-verify", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "not a hf export output megatron-recipes wrote" in err, err
+    assert sorted(p.name for p in hf.iterdir()) == download and "model.safetensors" in download
+
+    again = tmp_path / "again"  # an export of ours is replaced by the next one
+    assert main(["convert", "export", f"ckpt_dir={ckpt}", f"hf_dir={again}", "--no-verify", "--quiet"]) == 0
+    assert main(["convert", "export", f"ckpt_dir={ckpt}", f"hf_dir={again}", "--overwrite", "--no-verify", "--quiet"]) == 0
+    assert_same_tensors(hf, again)

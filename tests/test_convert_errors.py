@@ -122,7 +122,7 @@ def test_existing_outputs_need_overwrite(llama, tmp_path):
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
-    with pytest.raises(RecipeError, match="does not look like"):
+    with pytest.raises(RecipeError, match="not a megatron import output megatron-recipes wrote"):
         _import(llama, precious, overwrite=True)
     assert (precious / "notes.txt").read_text() == "keep me"
 

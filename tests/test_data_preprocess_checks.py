@@ -108,6 +108,18 @@ def test_existing_prefix_needs_overwrite(tmp_path, tok_dir, capsys):
     assert (tmp_path / "out.idx").read_bytes() != before
 
 
+def test_overwrite_never_replaces_a_linked_dataset(tmp_path, tok_dir, capsys):
+    # Before: --overwrite renamed the new .bin over a symlink (the user's link to shared data became a copy).
+    write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in stdlib_texts(30)])
+    args = [f"input={tmp_path / 'a.jsonl'}", f"tokenizer={tok_dir}"]
+    assert _run([f"output_prefix={tmp_path / 'shared'}", *args], capsys)[0] == 0
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"out{ext}").symlink_to(tmp_path / f"shared{ext}")
+    rc, err = _run([f"output_prefix={tmp_path / 'out'}", *args, "--overwrite"], capsys)
+    assert rc == 2 and "is a symbolic link" in err and "fix:" in err, err
+    assert (tmp_path / "out.bin").is_symlink() and (tmp_path / "out.idx").is_symlink()
+
+
 def test_bad_rows_name_their_line_or_row(tmp_path, tok_dir, capsys):
     import pandas as pd
 

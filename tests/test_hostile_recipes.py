@@ -76,3 +76,56 @@ def test_family_rule_matches_the_conversion_mappings():
 def test_each_family_carries_a_tiny_hf_config_of_its_own_model_type():
     for name, family in all_families().items():
         assert family.tiny_hf_config().model_type == family.model_type, name
+
+
+# --- deletion targets (issue 30: the tool deletes only what it wrote) ---------------------------------
+def test_the_deletion_rule_over_every_kind_of_target(tmp_path):
+    """Each target is either one the tool may replace, or refused with nothing under ``tmp_path`` changed."""
+    from fuzz_support import deletion_targets, snapshot
+    from megatron_recipes import files
+
+    for name, path, may_go in deletion_targets(tmp_path / "zoo", "check"):
+        before = snapshot(tmp_path)
+        if may_go:
+            files.fresh_own_dir(path, "check", "--dir")
+            assert files.own_kind(path) == "check" and [p.name for p in path.iterdir()] == [files.OWN_MARKER], name
+            continue
+        with pytest.raises(RecipeError) as info:
+            files.fresh_own_dir(path, "check", "--dir")
+        assert "--dir" in info.value.message and info.value.fix, name
+        assert snapshot(tmp_path) == before, f"{name}: refused, yet something changed"
+
+
+def test_atomic_writes_over_every_kind_of_target(tmp_path):
+    """A file write replaces only a regular file (or creates one); anything else is refused untouched."""
+    from fuzz_support import deletion_targets, snapshot
+    from megatron_recipes import files
+
+    for name, path, _ in deletion_targets(tmp_path / "zoo", "report"):
+        before = snapshot(tmp_path)
+        try:
+            files.write_text(path, "new page")
+        except RecipeError as exc:
+            assert "regular files" in exc.message and snapshot(tmp_path) == before, name
+        else:
+            assert name in ("regular file", "absent") and path.read_text() == "new page", name
+
+
+@pytest.mark.parametrize("name", __import__("fuzz_support").UPWARD_NAMES)
+def test_check_output_never_climbs_upward_from_a_run_name(tmp_path, monkeypatch, name):
+    import dataclasses
+
+    from megatron_recipes.check.cli import output_dir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "keep").mkdir(parents=True)
+    (tmp_path / "runs" / "keep" / "log.jsonl").write_text("{}\n")
+    cfg = compose_recipe(TINY, [])
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name))
+    try:
+        out = output_dir(cfg, None)
+    except RecipeError as exc:
+        assert "run.name" in exc.message
+    else:
+        assert ".." not in Path(f"runs/check/{name}").parts and out.is_relative_to(tmp_path / "runs" / "check"), out
+    assert (tmp_path / "runs" / "keep" / "log.jsonl").is_file()

@@ -10,11 +10,12 @@ and both continue from a fresh optimizer on the same batches. Exit 0: the layout
 
 from __future__ import annotations
 
-import shutil
+import math
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from megatron_recipes import files
 from megatron_recipes.check import compare, ranks, runs
 from megatron_recipes.check.shrink import LAYERS_PER_CHUNK, Shrunk, shrink
 from megatron_recipes.cli_args import split_args
@@ -42,6 +43,33 @@ PROVIDES = ("data.sft_path", "checkpoint.pretrained")
 # both start from the seed; reshard and reweights from the layout's and the reference's checkpoints).
 PHASES = (("seed",), ("reference", "layout"), ("reshard", "reweights"))
 MOCK = ["data=mock", "data.builtin_max_files=80", "data.builtin_vocab_size=600"]
+OUTPUT = "check"  # what the check's own marker says its output folder is (files.OWN_MARKER)
+
+
+def output_dir(cfg: RunConfig, given: Optional[Path]) -> Path:
+    """The folder of the check's runs (``--dir``, default ``runs/check/<run.name>``), refused when it climbs
+    upward ('..': ``run.name=..`` once named ``./runs``) or holds something the check did not write."""
+    field = "--dir" if given is not None else "run.name"
+    out = Path(given if given is not None else f"runs/check/{cfg.run.name}").expanduser()
+    files.refuse_upward(out, field)
+    out = out.resolve()
+    files.check_removable(out, OUTPUT, field)
+    return out
+
+
+def check_flags(flags: dict) -> None:
+    """The flags' ranges, before anything starts: a check that cannot compare two layouts proves nothing."""
+    max_ranks, rtol = flags.get("max-ranks", 8), flags.get("rtol", 1e-5)
+    if max_ranks < 2:
+        raise RecipeError(f"{PROG}: --max-ranks {max_ranks} leaves one rank, the same as the one-rank reference, so "
+                          "there would be nothing to compare", fix="use --max-ranks 2 or more (default 8)")
+    if not (math.isfinite(rtol) and 0 < rtol < 1):
+        raise RecipeError(f"{PROG}: --rtol {rtol} is not a relative tolerance: it must be a number above 0 and below 1",
+                          fix="use e.g. --rtol 1e-5 (the default), or a little more when many steps add rounding up")
+    if flags.get("steps", 6) < 3:
+        raise RecipeError(f"{PROG}: --steps={flags['steps']} is too few", fix="use --steps 3 or more (the reshard resumes before the last two)")
+    if flags.get("timeout", 900) < 1:
+        raise RecipeError(f"{PROG}: --timeout {flags['timeout']} is not a time", fix="use --timeout in seconds, 1 or more (default 900)")
 
 
 def context_parallel_unproven(cfg: RunConfig) -> Optional[str]:
@@ -109,6 +137,7 @@ def plan_runs(recipe: str, user: Sequence[str], max_ranks: int, steps: int, stop
     from megatron_recipes.validation.validate import validate_or_raise
 
     cfg = cfg if cfg is not None else _compose(recipe, user)
+    out = output_dir(cfg, out)
     validate_or_raise(cfg, recipe, rules=select(provided=PROVIDES))  # the recipe as written, on its own cluster
     small = shrink(cfg, max_ranks, None if full_depth else LAYERS_PER_CHUNK, own_data=not _data(cfg))
     notes = list(small.notes)
@@ -130,7 +159,6 @@ def plan_runs(recipe: str, user: Sequence[str], max_ranks: int, steps: int, stop
         "layout": [*layout, f"train.exit_interval={stop}", "checkpoint.save=true", "checkpoint.load=none"],
         "reshard": [*reference, "checkpoint.save=false"],
     }
-    out = Path(out or f"runs/check/{cfg.run.name}").expanduser().resolve()
     seed = out / "seed" / "checkpoints"
     planned["reference"].append(f"checkpoint.pretrained={seed}")
     planned["layout"].append(f"checkpoint.pretrained={seed}")
@@ -162,7 +190,10 @@ def main(argv: List[str]) -> int:
         print(f"usage: {PROG} <recipe> [key=value ...] [--max-ranks 8] [--steps 6] [--rtol 1e-5] [--dir DIR] [--full-depth]\n\n{__doc__}")
         return 0
     args = split_args(argv, PROG, FLAGS)
+    check_flags(args.flags)
     recipe_cfg = _compose(args.recipe, args.overrides)
+    given = args.flags.get("dir")
+    output_dir(recipe_cfg, Path(given) if given else None)  # refused before the ranks' server starts
     # the ranks' server imports torch, megatron-core (and the tokenizer's library) while this process plans
     ranks.context(tokenizers=recipe_cfg.data.kind == "sft")
     try:
@@ -175,14 +206,17 @@ def _check(args, recipe_cfg: RunConfig) -> int:
     """The check itself, once the ranks' server is starting: plan, refuse or run, compare."""
     max_ranks, steps = args.flags.get("max-ranks", 8), args.flags.get("steps", 6)
     timeout, rtol = args.flags.get("timeout", 900), args.flags.get("rtol", 1e-5)
-    if steps < 3:
-        raise RecipeError(f"{PROG}: --steps={steps} is too few", fix="use --steps 3 or more (the reshard resumes before the last two)")
+    check_flags(args.flags)
     stop = steps - 2
     given = args.flags.get("dir")
     cfg, small, planned, notes, out = plan_runs(
         args.recipe, args.overrides, max_ranks, steps, stop, Path(given) if given else None, bool(args.flags.get("full-depth")),
         recipe_cfg,
     )
+    if small.degrees.world < 2:
+        raise RecipeError(f"{PROG}: the checked layout of {args.recipe} is {small.degrees.text(None)}, the same as the "
+                          "one-rank reference: there is no parallel layout to prove",
+                          fix="check a recipe (or overrides, e.g. parallel.tp=2) with more than one rank, and --max-ranks 2 or more")
     layout_cfg = _compose(args.recipe, planned["layout"])
 
     print(f"check {args.recipe}: recipe layout {small.original.text(cfg.parallel.vpp)}")
@@ -198,8 +232,7 @@ def _check(args, recipe_cfg: RunConfig) -> int:
         return 2
     _validated(args.recipe, planned["layout"], "shrunk layout", layout_cfg)
     _validated(args.recipe, planned["reference"], "one-rank reference")
-    if out.exists():
-        shutil.rmtree(out)
+    files.fresh_own_dir(out, OUTPUT, "--dir" if given else "run.name")
     print(f"  runs in {out} (one log per run):", flush=True)
     results = {}
     world = {"layout": derived.world_size(layout_cfg)}

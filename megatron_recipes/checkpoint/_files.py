@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"  # a run's checkpoints live in run.dir/checkpoints
 TRACKER = "latest_checkpointed_iteration.txt"
+RESUMED_FROM = "resumed_from_iteration.txt"  # the step a rewind resumed from: retention keeps it
 META = "meta.json"  # ours; megatron-core writes its own metadata.json next to it
 CONFIG = "config.yaml"
 FORMAT = "megatron-recipes/dist-checkpoint"
@@ -141,19 +142,48 @@ def complete_checkpoints(root: Path) -> List[Tuple[int, Path]]:
 
 
 def latest(where: Union[RunConfig, Path]) -> Optional[Path]:
-    """The newest complete checkpoint of a run (its ``RunConfig``) or under a checkpoints folder, or None.
+    """The checkpoint a run (its ``RunConfig``) or a checkpoints folder continues from, or None: the tracker's.
 
-    A folder counts only with its completion marker (``meta.json`` written last, then the rename from the
-    staging name); staging folders left by a killed save are never candidates. The tracker names the newest
-    one in normal operation; a complete folder newer than the tracker (a kill between the rename and the
-    tracker update) is complete on disk and is used too.
+    The tracker names the run's current checkpoint: the last save, or the one a rewind resumed from
+    (``record_resume``), so an abandoned later checkpoint (iter_0000300 after a rewind to 200) is never
+    resumed by accident. Only when the tracker names no complete checkpoint (missing, unreadable, or its
+    folder gone) is the newest complete one used. A folder counts only with its completion marker
+    (``meta.json`` written last, then the rename from the staging name): staging folders left by a killed
+    save are never candidates; a save killed between the rename and the tracker update is trained again.
     """
     root = checkpoints_root(where) if isinstance(where, RunConfig) else Path(where).expanduser()
     complete = complete_checkpoints(root)
     tracked = read_tracker(root)
-    if tracked is not None and tracked not in {step for step, _ in complete}:
+    by_step = dict(complete)
+    if tracked in by_step:
+        return by_step[tracked]
+    if tracked is not None:
         log.warning("%s names step %s, which is not a complete checkpoint; using the newest complete one", TRACKER, tracked)
     return complete[-1][1] if complete else None
+
+
+def read_resumed(root: Path) -> Optional[int]:
+    """The step a rewind resumed from (``record_resume``), or None."""
+    try:
+        return int((Path(root) / RESUMED_FROM).read_text(encoding="utf-8").strip())
+    except (OSError, ValueError):
+        return None
+
+
+def record_resume(root: Path, step: int) -> bool:
+    """After resuming this run from its own ``step``: True when that was a rewind (the tracker named another
+    step, and a later checkpoint exists). The tracker then names ``step`` (a requeue resumes the new branch)
+    and retention keeps ``step`` while the abandoned later checkpoints remain. One rank (rank 0)."""
+    root = Path(root)
+    if read_tracker(root) == step:
+        return False  # the run's own continuation (a requeue of a rewound run included)
+    write_tracker(root, step)
+    newest = max((s for s, _ in complete_checkpoints(root)), default=step)
+    if step < newest:
+        files.write_text(root / RESUMED_FROM, f"{step}\n")
+        return True
+    (root / RESUMED_FROM).unlink(missing_ok=True)
+    return False
 
 
 def resolve_dir(path: Path) -> Path:
@@ -234,14 +264,25 @@ def _fsync_file(path: Path) -> None:
 
 
 def prune(root: Path, keep_last: int) -> List[Path]:
-    """Keep the newest ``keep_last`` complete checkpoints (0 keeps all); drop leftovers of killed saves."""
+    """Keep the newest ``keep_last`` complete checkpoints (0 keeps all); drop leftovers of killed saves.
+
+    Never removed: the tracker's checkpoint (a save writes the tracker before retention, so what a run has
+    just written survives it even when older than the rest: a step-0 seed written into a run dir holding
+    iter_0000300 was deleted by its own save, then announced as written) and the one a rewind resumed from
+    (by step order it was the oldest, and went first, while the abandoned later ones stayed)."""
     root = Path(root)
     removed = []
     complete = complete_checkpoints(root)
+    tracked, resumed = read_tracker(root), read_resumed(root)
+    if resumed is not None and (not complete or tracked is None or tracked >= complete[-1][0]):
+        (root / RESUMED_FROM).unlink(missing_ok=True)  # the branch has overtaken what it abandoned
+        resumed = None
+    kept = {tracked, resumed}
     if keep_last > 0:
-        for _, path in complete[:-keep_last]:
-            _remove(path)
-            removed.append(path)
+        for step, path in complete[:-keep_last]:
+            if step not in kept:
+                _remove(path)
+                removed.append(path)
     return removed + clean_leftovers(root)
 
 

@@ -83,7 +83,13 @@ class Start:
             return None
         state = _save_load.load(self.resume_from, model, optimizer, scheduler, cfg=self.cfg)
         if torch.distributed.get_rank() == 0:
-            print(f"resumed from {self.resume_from} at step {state['step']}", flush=True)
+            root = store.checkpoints_root(self.cfg)
+            own = self.resume_from.resolve().parent == root.resolve()
+            if own and store.record_resume(root, int(state["step"])):
+                print(f"rewound to {self.resume_from} at step {state['step']}: the run continues from here (the "
+                      f"tracker names it; retention keeps it); the later checkpoints in {root} are not resumed", flush=True)
+            else:
+                print(f"resumed from {self.resume_from} at step {state['step']}", flush=True)
         return state
 
 

@@ -136,7 +136,7 @@ def run_export(
 
     began = time.perf_counter()
     hf_dir = Path(hf_dir).expanduser()
-    staging.check_target(hf_dir, overwrite, lambda p: (p / INDEX_NAME).exists() or (p / "config.json").exists(), "hf_dir")
+    staging.check_target(hf_dir, overwrite, "hf_dir", staging.HF_EXPORT, {"ckpt_dir": ckpt, "hf_assets": hf_assets})
     resolved, cfg, meta = checkpoint.read_run(ckpt)
     _check_format(resolved, meta)
     checkpoint.check_same_model(meta, cfg, resolved)
@@ -169,7 +169,7 @@ def run_export(
     largest = max(it.nbytes for it in items)
 
     start = time.perf_counter()
-    with staging.atomic_dir(hf_dir) as tmp, Progress(
+    with staging.atomic_dir(hf_dir, staging.HF_EXPORT) as tmp, Progress(
         "export", total=total, unit="B", items_total=len(plan), items_unit="tensors", enabled=progress
     ) as bar:
         writer = ShardedSafetensorsWriter(tmp, entries, max_shard_bytes)

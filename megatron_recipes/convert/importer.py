@@ -172,10 +172,6 @@ def train_command(out_dir: Path, model_name: str, recipe: str = "<recipe>") -> s
     return f"megatron-recipes train {recipe} hydra.searchpath=[file://{root}] model={model_name} checkpoint.pretrained={root}"
 
 
-def looks_like_import(path: Path) -> bool:
-    return (path / checkpoint.TRACKER).exists() and (path / MODEL_GROUP).is_dir()
-
-
 def run_import(
     hf_dir: Path,
     out_dir: Path,
@@ -189,7 +185,7 @@ def run_import(
 
     began = time.perf_counter()
     out_dir = Path(out_dir).expanduser()
-    staging.check_target(out_dir, overwrite, looks_like_import, "out_dir")
+    staging.check_target(out_dir, overwrite, "out_dir", staging.MEGATRON_IMPORT, {"hf_dir": hf_dir})
     source = read_source(hf_dir)
     with SafetensorsReader(source.hf_dir) as reader:
         dtype = dtype or default_dtype(reader)
@@ -212,7 +208,7 @@ def run_import(
             return out
 
         start = time.perf_counter()
-        with staging.atomic_dir(out_dir) as tmp, Progress(
+        with staging.atomic_dir(out_dir, staging.MEGATRON_IMPORT) as tmp, Progress(
             "import", total=total, unit="B", items_total=len(steps), items_unit="tensors", enabled=progress
         ) as bar:
             ckpt_staging = checkpoint.prepare_staging(tmp, 0)

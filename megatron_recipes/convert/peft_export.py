@@ -37,7 +37,6 @@ from megatron_recipes import families
 from megatron_recipes.convert import staging
 from megatron_recipes.convert.exporter import DEFAULT_MAX_SHARD, find_assets, hf_config_for, run_export
 from megatron_recipes.convert.layout import with_parallel
-from megatron_recipes.convert.safetensors_io import INDEX_NAME
 from megatron_recipes.families.transforms import Ctx
 from megatron_recipes.convert.verify import (
     SMALL_MODEL_PARAMS,
@@ -173,10 +172,6 @@ def adapter_config(p: PeftConfig, targets: List[str], base: Optional[str], dora:
     }
 
 
-def _looks_like_adapter(path: Path) -> bool:
-    return (path / ADAPTER_CONFIG).is_file()
-
-
 def _hf_flags(cfg: RunConfig, resolved: Path, hf_assets: Optional[Path]) -> Tuple[Dict, Optional[Path]]:
     family = families.by_name(cfg.model.family)
     assets = find_assets(resolved, cfg, hf_assets)
@@ -191,7 +186,7 @@ def export_adapter(
     from safetensors.torch import save_file  # on use: the module imports without it
 
     out_dir = Path(out_dir).expanduser()
-    staging.check_target(out_dir, overwrite, _looks_like_adapter, "adapter folder")
+    staging.check_target(out_dir, overwrite, "adapter folder", staging.ADAPTER, {"ckpt_dir": ckpt, "hf_assets": hf_assets})
     resolved, run_cfg, _ = checkpoint.read_run(ckpt)
     method = methods.parse(run_cfg.peft.method) if not methods.why_not(run_cfg.peft.method) else None
     if method is not None and method.prefix:
@@ -214,7 +209,7 @@ def export_adapter(
         shutdown()
     base = str(assets) if assets is not None else run_cfg.checkpoint.pretrained
     config = adapter_config(cfg.peft, leaves, base, methods.parse(cfg.peft.method).dora)
-    with staging.atomic_dir(out_dir) as tmp:
+    with staging.atomic_dir(out_dir, staging.ADAPTER) as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return PeftExportReport(out_dir, "adapter", len(tensors), leaves)
@@ -231,7 +226,7 @@ def export_merged(
 ):
     """Merged HF weights through the conversion engine's export; returns its ``ExportReport``."""
     hf_dir = Path(hf_dir).expanduser()
-    staging.check_target(hf_dir, overwrite, lambda p: (p / INDEX_NAME).exists() or (p / "config.json").exists(), "hf_dir")
+    staging.check_target(hf_dir, overwrite, "hf_dir", staging.HF_EXPORT, {"ckpt_dir": ckpt, "hf_assets": hf_assets})
     resolved, run_cfg, meta = checkpoint.read_run(ckpt)
     if hf_assets is None:
         _, hf_assets = _hf_flags(run_cfg, resolved, None)

@@ -2,8 +2,10 @@
 
 A conversion writes into a hidden sibling (``.<name>.partial-<pid>``) and renames it into place only
 after the last byte is on disk, so an interrupted run never leaves a folder that looks usable. An
-existing output is replaced only with ``--overwrite`` and only if it looks like a conversion output
-(a guard against ``out_dir=$HOME --overwrite``).
+existing output is replaced only with ``--overwrite``, and only under the project's one deletion rule
+(``files.check_removable``): it carries the marker a conversion of the same kind wrote into it (a guard
+against ``out_dir=$HOME --overwrite``, or an HF download named as ``hf_dir``), and it holds none of the
+command's inputs (``hf_dir=hfx`` with ``ckpt_dir=hfx/megatron`` would delete the source it converts).
 """
 
 from __future__ import annotations
@@ -12,37 +14,40 @@ import contextlib
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator, Mapping, Optional, Union
 
+from megatron_recipes import files
 from megatron_recipes.config.errors import RecipeError
 
+# What each conversion's marker says its output is (files.OWN_MARKER): one kind never replaces another's.
+HF_EXPORT, MEGATRON_IMPORT, ADAPTER = "hf export", "megatron import", "peft adapter"
 
-def check_target(out: Path, overwrite: bool, looks_ours: Callable[[Path], bool], what: str) -> None:
-    """Refuse an existing ``out`` unless overwriting a previous output of the same kind (before any work)."""
-    if not out.exists():
+
+def check_target(out: Path, overwrite: bool, field: str, kind: str,
+                 inputs: Mapping[str, Union[str, Path, None]] = {}) -> None:
+    """Refuse an existing ``out`` unless ``--overwrite`` may replace it (before any work): see the module doc."""
+    if not os.path.lexists(out):
         if not out.parent.exists():
-            raise RecipeError(f"the parent folder of {what} '{out}' does not exist", fix=f"create {out.parent} first")
+            raise RecipeError(f"the parent folder of {field} '{out}' does not exist", fix=f"create {out.parent} first")
         return
     if not overwrite:
-        raise RecipeError(f"{what} '{out}' already exists", fix="choose a new folder, or pass --overwrite to replace it")
-    if out.is_dir() and not any(out.iterdir()):
-        return
-    if not out.is_dir() or not looks_ours(out):
-        raise RecipeError(
-            f"--overwrite refuses to replace '{out}': it does not look like a previous {what}",
-            fix="remove it yourself if it really should go, or choose another folder",
-        )
+        raise RecipeError(f"{field} '{out}' already exists", fix="choose a new folder, or pass --overwrite to replace it")
+    files.require_outside(out, inputs, field)
+    files.check_removable(out, kind, field)
 
 
 @contextlib.contextmanager
-def atomic_dir(out: Path) -> Iterator[Path]:
-    """Yield a private folder; on success it becomes ``out`` (replacing an old one), on failure it is removed."""
+def atomic_dir(out: Path, kind: Optional[str] = None) -> Iterator[Path]:
+    """Yield a private folder; on success it becomes ``out`` (replacing an old one), on failure it is removed.
+    ``kind``: the marker the folder gets, so that a later ``--overwrite`` may replace it."""
     out = Path(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
+        if kind is not None:
+            files.mark_own(tmp, kind)
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -26,6 +26,7 @@ from typing import Optional
 
 import numpy as np
 
+from megatron_recipes import files
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.data.idx_writer import indexed_writer, token_dtype
 
@@ -81,13 +82,15 @@ def check_output_prefix(output_prefix: str, overwrite: bool) -> None:
     """Refuse an existing dataset without ``overwrite``, and an output folder we cannot write, before any work."""
     if output_prefix.endswith((".bin", ".idx")):
         raise RecipeError(f"output_prefix={output_prefix} ends in .bin/.idx", fix="give the prefix only, e.g. out/corpus_text_document")
-    existing = [output_prefix + e for e in (".bin", ".idx") if os.path.exists(output_prefix + e)]
+    existing = [output_prefix + e for e in (".bin", ".idx") if os.path.lexists(output_prefix + e)]
     if existing and not overwrite:
         raise RecipeError(
             f"output_prefix={output_prefix} already holds a dataset ({', '.join(existing)}); training runs and "
             "index caches built from it would see different data",
             fix="pass --overwrite to replace it, or choose another output_prefix",
         )
+    for path in existing:  # --overwrite replaces regular files only (files.py's rule), never a link or a device
+        files.require_replaceable(path)
     folder = Path(output_prefix).parent
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -199,6 +199,13 @@ class Trainer:
         """
         from megatron_recipes.models.builder import build_model_chunks
 
+        found = checkpoint.latest(self.cfg)
+        if found is not None and checkpoint.step_of(found) != 0:  # the seed would become the run's latest
+            raise RecipeError(
+                f"run.dir={self.cfg.run.dir} already holds this run's checkpoints (latest {found.name}); a step-0 "
+                "seed written there would be what its next start resumes",
+                fix="write the seed into its own run dir (run.dir=<new folder> train.train_iters=0)",
+            )
         # the rule train.seed_run: no PEFT and no checkpoint.pretrained here (this writes fresh weights)
         model = optim.wrap_model(self.cfg, build_model_chunks(self.cfg))
         path = self._save_checkpoint(0, 0, model, None, None)
