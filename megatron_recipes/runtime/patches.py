@@ -569,7 +569,12 @@ def rows(scope: str) -> List[Patch]:
 
 
 def apply(scope: str, *objects: Any) -> List[str]:
-    """Apply the rows of ``scope`` (module patches once per process; object fixes to ``objects``); their names."""
+    """Apply the rows of ``scope`` (module patches once per process; object fixes to ``objects``); their names.
+
+    ``process`` (every entry point, first) refuses a megatron-core outside the supported range: the rows
+    are known right only inside it."""
+    if scope == "process":
+        mcore_compat.require_supported()
     names = []
     for patch in rows(scope):
         if patch.on_object:
