@@ -186,3 +186,19 @@ def test_rng_is_restored_only_on_the_same_ranks(cfg):
     assert identity.same_ranks(lay, dict(lay))
     assert not identity.same_ranks(lay, dict(lay, tp=1, dp=2))
     assert identity.model_parallel_changed(lay, dict(lay, pp=2)) == ["pp: 1 -> 2"]
+
+
+def test_a_checkpoint_without_common_pt_is_refused_by_a_release_that_needs_it(tmp_path):
+    """A 0.19 save (no common.pt) loaded where megatron-core reads only common.pt: a RecipeError naming both
+    releases and the fix, not megatron-core's FileNotFoundError; a 0.16 save loads everywhere."""
+    from megatron_recipes.runtime import mcore_compat
+
+    new = _fake(tmp_path, 1, writer="0.19.2")
+    old = _fake(tmp_path, 2, writer="0.16.1")
+    store.require_readable_here(old, store.read_meta(old))
+    if mcore_compat.reads_common_state_from_distcp():
+        store.require_readable_here(new, store.read_meta(new))
+    else:
+        with pytest.raises(RecipeError, match=r"written by megatron-core 0\.19\.2.*common\.pt") as err:
+            store.require_readable_here(new, store.read_meta(new))
+        assert "pip install 'megatron-core>=0.19" in err.value.render()

@@ -96,6 +96,21 @@ def mcore_files(meta: Dict[str, Any]) -> Tuple[str, ...]:
     return MCORE_FILES + ((mcore_compat.COMMON_STATE_FILE,) if mcore_compat.writes_common_pt(writer) else ())
 
 
+def require_readable_here(ckpt_dir: Path, meta: Dict[str, Any]) -> None:
+    """A complete torch_dist checkpoint without ``common.pt`` (megatron-core 0.19 on) cannot be loaded by an
+    older megatron-core, which fails deep inside its loader: say so, and what to install."""
+    if meta.get("backend") == "fsdp_dtensor" or (Path(ckpt_dir) / mcore_compat.COMMON_STATE_FILE).is_file():
+        return
+    if not mcore_compat.reads_common_state_from_distcp():
+        raise RecipeError(
+            f"'{ckpt_dir}' was written by megatron-core {meta.get('megatron_core_version')}, which keeps the common "
+            f"state inside the .distcp files; megatron-core {mcore_compat.installed()} reads it only from "
+            f"{mcore_compat.COMMON_STATE_FILE}",
+            fix=f"load it with megatron-core >= {mcore_compat.COMMON_STATE_IN_DISTCP_SINCE} "
+            f"(pip install 'megatron-core>={mcore_compat.COMMON_STATE_IN_DISTCP_SINCE},<{mcore_compat.SUPPORTED[1]}', Python 3.12)",
+        )
+
+
 def problems(ckpt_dir: Path) -> List[str]:
     """Why ``ckpt_dir`` is not a complete checkpoint (empty list when it is)."""
     ckpt_dir = Path(ckpt_dir)
