@@ -23,7 +23,6 @@ NEWEST_TESTED = "0.19.2"  # the gpu extra and the Dockerfile install exactly thi
 
 COMMON_STATE_FILE = "common.pt"
 COMMON_STATE_IN_DISTCP_SINCE = "0.19"  # save() stores the common state as a ShardedObject, no common.pt
-MOE_SPEC_IS_PARTIAL_SINCE = "0.18"  # MoE layer specs are functools.partial(MoELayer, submodules=...)
 
 
 def version_tuple(text: str) -> Tuple[int, ...]:
