@@ -8,7 +8,8 @@
 #   megatron-recipes slurm submit <recipe> cluster.container_image=/shared/images/megatron-recipes.sqsh ...
 # (slurm/README.md has the details.)
 ARG NGC_REGISTRY
-ARG PYTORCH_TAG=25.11-py3
+# 26.06: the image megatron-core 0.19's own CI builds on (Python 3.12, which megatron-core 0.17 on require).
+ARG PYTORCH_TAG=26.06-py3
 FROM ${NGC_REGISTRY}/nvidia/pytorch:${PYTORCH_TAG}
 
 ENV PYTHONUNBUFFERED=1 \

@@ -41,11 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = picked
     module_name, func_name = SUBCOMMANDS[name][0].split(":")
-    if name in USE_MEGATRON_CORE:  # others (data preprocess) must not even import torch
-        from megatron_recipes.runtime import patches
-
-        patches.apply("process")  # before the subcommand imports megatron-core
     try:
+        if name in USE_MEGATRON_CORE:  # others (data preprocess) must not even import torch
+            from megatron_recipes.runtime import patches
+
+            patches.apply("process")  # before the subcommand imports megatron-core; refuses an unsupported one
         func = getattr(importlib.import_module(module_name), func_name)
         return int(func(rest) or 0)
     except RecipeError as exc:

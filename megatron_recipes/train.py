@@ -13,13 +13,13 @@ from typing import List, Optional
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from megatron_recipes.config.errors import RecipeError
     from megatron_recipes.runtime import patches
 
-    patches.apply("process")
-    from megatron_recipes.config.errors import RecipeError
-    from megatron_recipes.training.cli import main as train_main
-
     try:
+        patches.apply("process")  # refuses a megatron-core outside the supported range
+        from megatron_recipes.training.cli import main as train_main
+
         return int(train_main(list(sys.argv[1:] if argv is None else argv)) or 0)
     except RecipeError as exc:
         world = int(os.environ.get("WORLD_SIZE", "1") or 1)

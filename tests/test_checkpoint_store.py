@@ -19,15 +19,30 @@ from megatron_recipes.checkpoint import _mcore as io
 from megatron_recipes.checkpoint import _files as store
 
 
-def _fake(root: Path, step: int, *, name=None, meta=True, complete=True, mcore=store.MCORE_FILES) -> Path:
+def _fake(root: Path, step: int, *, name=None, meta=True, complete=True, mcore=None, writer="0.16.1") -> Path:
+    """A folder as a save leaves it; ``writer``: the megatron-core release meta.json says wrote it."""
     path = root / (name or f"iter_{step:07d}")
     path.mkdir(parents=True)
-    for f in mcore:
+    body = {"format": store.FORMAT, "format_version": store.FORMAT_VERSION, "complete": complete, "step": step,
+            "megatron_core_version": writer}
+    for f in store.mcore_files(body) if mcore is None else mcore:
         (path / f).write_bytes(b"x")
     if meta:
-        body = {"format": store.FORMAT, "format_version": store.FORMAT_VERSION, "complete": complete, "step": step}
         (path / store.META).write_text(json.dumps(body))
     return path
+
+
+def test_common_pt_is_required_only_from_the_releases_that_write_it(tmp_path):
+    """megatron-core up to 0.18 writes common.pt; 0.19 keeps the common state inside the .distcp files, so
+    a 0.19 save without common.pt is complete, a 0.16-0.18 one is not (nor one from before meta.json
+    recorded the release: those were 0.16's)."""
+    both = ("metadata.json", ".metadata")
+    assert store.is_complete(_fake(tmp_path, 1, writer="0.19.2", mcore=both))
+    for step, writer in ((2, "0.16.1"), (3, "0.18.2"), (4, None)):
+        assert store.problems(_fake(tmp_path, step, writer=writer, mcore=both)) == ["megatron-core files missing: common.pt"]
+    assert store.problems(_fake(tmp_path, 5, writer="0.19.2", mcore=(".metadata",))) == [
+        "megatron-core files missing: metadata.json"
+    ]
 
 
 def test_latest_takes_only_complete_folders(tmp_path):
@@ -100,7 +115,7 @@ def test_publish_replaces_an_older_save_of_the_same_step(tmp_path):
     old = _fake(tmp_path, 7)
     (old / "stale").write_text("old")
     staging = store.prepare_staging(tmp_path, 7)
-    for f in store.MCORE_FILES:
+    for f in store.MCORE_FILES + ("common.pt",):
         (staging / f).write_bytes(b"new")
     (staging / store.META).write_text(json.dumps({"format": store.FORMAT, "complete": True, "step": 7}))
     store.publish(staging, store.iter_dir(tmp_path, 7))
@@ -223,3 +238,19 @@ def test_retention_never_removes_the_checkpoint_the_save_just_wrote(tmp_path, cf
     store.write_tracker(tmp_path, 500)  # the run goes on: ordinary retention again
     store.prune(tmp_path, keep_last=2)
     assert [s for s, _ in store.complete_checkpoints(tmp_path)] == [400, 500]
+
+
+def test_a_checkpoint_without_common_pt_is_refused_by_a_release_that_needs_it(tmp_path):
+    """A 0.19 save (no common.pt) loaded where megatron-core reads only common.pt: a RecipeError naming both
+    releases and the fix, not megatron-core's FileNotFoundError; a 0.16 save loads everywhere."""
+    from megatron_recipes.runtime import mcore_compat
+
+    new = _fake(tmp_path, 1, writer="0.19.2")
+    old = _fake(tmp_path, 2, writer="0.16.1")
+    store.require_readable_here(old, store.read_meta(old))
+    if mcore_compat.reads_common_state_from_distcp():
+        store.require_readable_here(new, store.read_meta(new))
+    else:
+        with pytest.raises(RecipeError, match=r"written by megatron-core 0\.19\.2.*common\.pt") as err:
+            store.require_readable_here(new, store.read_meta(new))
+        assert "pip install 'megatron-core>=0.19" in err.value.render()

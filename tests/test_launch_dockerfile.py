@@ -58,11 +58,12 @@ def test_copies_everything_the_wheel_ships_and_installs_it():
 
 
 def test_image_installs_the_tested_megatron_core():
-    """A fresh image must not pull an untested megatron-core: the gpu extra pins the tested version."""
-    from importlib.metadata import version
+    """A fresh image must not pull an untested megatron-core: the gpu extra pins the newest tested release."""
+    from megatron_recipes.runtime import mcore_compat
 
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
-    assert f"megatron-core=={version('megatron-core')}" in extras, extras
+    assert f"megatron-core=={mcore_compat.NEWEST_TESTED}" in extras, extras
+    assert mcore_compat.in_range(*mcore_compat.SUPPORTED, release=mcore_compat.NEWEST_TESTED)
     (te,) = [e for e in extras if e.startswith("transformer-engine")]
     assert "<" in te, f"{te}: give Transformer Engine an upper bound"
     assert any(w == "RUN" and '".[gpu]"' in a for w, a in _instructions()), "the image must install the gpu extra"

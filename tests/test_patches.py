@@ -36,11 +36,25 @@ def test_every_row_names_a_test_that_exists_and_a_known_scope():
         assert not name or f"def {name}(" in (ROOT / path).read_text(), p.test
 
 
-def test_every_patch_is_still_needed():
-    """The unpatched library still shows each defect; when an upgrade fixes one, drop its row."""
-    found = _run("import json; from megatron_recipes.runtime import patches; print(json.dumps(patches.defects()))")
-    assert found and all(found.values()), {k: v for k, v in found.items() if not v}
-    assert set(found) == {p.name for p in patches.PATCHES}  # every row applies on this CPU machine
+def test_every_row_is_needed_exactly_inside_its_range():
+    """On the unpatched installed megatron-core every row's probe runs, in range or not: a defect outside
+    the row's range (the range is wrong, and the row is not applied), or none inside it (fixed upstream:
+    end the range at this release), fails."""
+    found = _run("import json; from megatron_recipes.runtime import patches\n"
+                 "print(json.dumps(patches.defects_in_and_out_of_range()))")
+    wrong = {name: row for name, row in found.items() if row["in_range"] != row["defect"]}
+    assert found and not wrong, {"installed megatron-core": patches.mcore_compat.installed(), **wrong}
+    always_here = {p.name for p in patches.PATCHES if p.requires is None}  # this CPU machine: every no-CUDA row
+    assert always_here <= set(found)
+
+
+def test_ranges_are_well_formed_and_outside_rows_are_not_applied():
+    for p in patches.PATCHES:
+        low, high = p.versions
+        assert patches.mcore_compat.version_tuple(low) >= patches.mcore_compat.version_tuple(patches.mcore_compat.SUPPORTED[0])
+        assert high is None or patches.mcore_compat.version_tuple(high) > patches.mcore_compat.version_tuple(low), p.name
+    for p in patches.PATCHES:  # apply() applies exactly rows(scope)
+        assert (p in patches.rows(p.scope)) == (patches.in_range(p) and patches.can_occur_here(p)), p.name
 
 
 def test_every_module_patch_fixes_its_defect():
@@ -51,7 +65,7 @@ def test_every_module_patch_fixes_its_defect():
         "print(json.dumps(found))"
     )
     found = _run(code)
-    module_rows = {p.name for p in patches.PATCHES if not p.on_object}
+    module_rows = {p.name for p in patches.PATCHES if not p.on_object and patches.applies_here(p)}
     assert module_rows and not any(found[name] for name in module_rows), {k: v for k, v in found.items() if v}
 
 
@@ -59,10 +73,11 @@ def test_importing_the_package_patches_nothing():
     code = (
         "import json, torch; original = torch.compile\n"
         "import megatron_recipes, megatron_recipes.cli, megatron_recipes.train, megatron_recipes.runtime.patches\n"
-        "import megatron.core.transformer.moe.moe_utils as mu\n"
-        "print(json.dumps({'compile': torch.compile is original, 'gemm': not hasattr(mu, 'te_general_gemm')}))"
+        "from megatron.core.optimizer import clip_grads\n"
+        "print(json.dumps({'compile': torch.compile is original,\n"
+        "                  'norm': not getattr(clip_grads.l2_norm_impl, '_megatron_recipes', False)}))"
     )
-    assert _run(code) == {"compile": True, "gemm": True}
+    assert _run(code) == {"compile": True, "norm": True}
 
 
 def test_wandb_is_imported_on_first_use():

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 from megatron_recipes import files
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.runtime import mcore_compat
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,9 @@ FORMAT = "megatron-recipes/dist-checkpoint"
 FORMAT_VERSION = 1
 STAGING_SUFFIX = ".incomplete"
 DELETING_SUFFIX = ".deleting"
-# Files megatron-core's torch_dist format writes once the sharded save has finished on every rank.
-MCORE_FILES = ("metadata.json", ".metadata", "common.pt")
+# Files megatron-core's torch_dist format writes once the sharded save has finished on every rank; up to
+# 0.18 also common.pt (0.19 on keeps the common state inside the .distcp files: runtime/mcore_compat.py).
+MCORE_FILES = ("metadata.json", ".metadata")
 FSDP_DTENSOR_FILES = (".metadata",)  # Megatron-FSDP checkpoints: torch DCP's index (checkpoint/_fsdp.py)
 
 _ITER = re.compile(r"^iter_(\d{7,})$")
@@ -88,6 +90,28 @@ def read_meta(ckpt_dir: Path) -> Dict[str, Any]:
     return meta
 
 
+def mcore_files(meta: Dict[str, Any]) -> Tuple[str, ...]:
+    """The torch_dist files a complete checkpoint has, by the megatron-core that wrote it (``meta.json``
+    records it; checkpoints from before that record were written by 0.16, with ``common.pt``)."""
+    writer = str(meta.get("megatron_core_version") or "0.16")
+    return MCORE_FILES + ((mcore_compat.COMMON_STATE_FILE,) if mcore_compat.writes_common_pt(writer) else ())
+
+
+def require_readable_here(ckpt_dir: Path, meta: Dict[str, Any]) -> None:
+    """A complete torch_dist checkpoint without ``common.pt`` (megatron-core 0.19 on) cannot be loaded by an
+    older megatron-core, which fails deep inside its loader: say so, and what to install."""
+    if meta.get("backend") == "fsdp_dtensor" or (Path(ckpt_dir) / mcore_compat.COMMON_STATE_FILE).is_file():
+        return
+    if not mcore_compat.reads_common_state_from_distcp():
+        raise RecipeError(
+            f"'{ckpt_dir}' was written by megatron-core {meta.get('megatron_core_version')}, which keeps the common "
+            f"state inside the .distcp files; megatron-core {mcore_compat.installed()} reads it only from "
+            f"{mcore_compat.COMMON_STATE_FILE}",
+            fix=f"load it with megatron-core >= {mcore_compat.COMMON_STATE_IN_DISTCP_SINCE} "
+            f"(pip install 'megatron-core>={mcore_compat.COMMON_STATE_IN_DISTCP_SINCE},<{mcore_compat.SUPPORTED[1]}', Python 3.12)",
+        )
+
+
 def problems(ckpt_dir: Path) -> List[str]:
     """Why ``ckpt_dir`` is not a complete checkpoint (empty list when it is)."""
     ckpt_dir = Path(ckpt_dir)
@@ -105,7 +129,7 @@ def problems(ckpt_dir: Path) -> List[str]:
     name_step = step_of(ckpt_dir)
     if name_step is not None and name_step != meta.get("step"):
         found.append(f"its name says step {name_step} but {META} says step {meta.get('step')}")
-    required = FSDP_DTENSOR_FILES if meta.get("backend") == "fsdp_dtensor" else MCORE_FILES  # [FSDP hook]
+    required = FSDP_DTENSOR_FILES if meta.get("backend") == "fsdp_dtensor" else mcore_files(meta)  # [FSDP hook]
     missing = [name for name in required if not (ckpt_dir / name).is_file()]
     if missing:
         found.append(f"megatron-core files missing: {', '.join(missing)}")
@@ -246,7 +270,7 @@ def prepare_staging(root: Path, step: int) -> Path:
 def publish(staging: Path, final: Path) -> None:
     """Give a finished staging folder its final name (replacing an older save of the same step)."""
     for name in os.listdir(staging):
-        if name.endswith(".distcp") or name in (META,) + MCORE_FILES:
+        if name.endswith(".distcp") or name in (META, mcore_compat.COMMON_STATE_FILE) + MCORE_FILES:
             _fsync_file(staging / name)
     files.fsync_dir(staging)
     if final.exists():

@@ -295,6 +295,7 @@ def load(
     _require_dist()
     ckpt = _resolve_everywhere(path)
     meta = store.read_meta(ckpt)
+    store.require_readable_here(ckpt, meta)
     if cfg is not None:
         identity.check_same_model(meta, cfg, ckpt)
     contents = meta.get("contents", {})
@@ -359,6 +360,7 @@ def load_weights(path: Path, model_chunks: List[torch.nn.Module], cfg: RunConfig
     _require_dist()
     ckpt = _resolve_everywhere(path)
     meta = store.read_meta(ckpt)
+    store.require_readable_here(ckpt, meta)
     identity.check_same_model(meta, cfg, ckpt)
     if fsdp_ckpt.is_fsdp(model_chunks) or fsdp_ckpt.is_fsdp_checkpoint(meta):  # [FSDP hook]
         fsdp_ckpt.load_weights(ckpt, meta, model_chunks, _runtime_layout(cfg), _trust(cfg))

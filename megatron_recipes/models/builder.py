@@ -52,13 +52,14 @@ def _use_te_checkpoint_names(block_spec) -> None:
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     from megatron_recipes.models.local_mla import use_local_mla_attention
+    from megatron_recipes.runtime.mcore_compat import built_class
 
     def renamed(spec):
         use_local_mla_attention(spec)
         sub = spec.submodules
         if not hasattr(sub, "sharded_state_dict_keys_map"):
             return spec
-        attention, mlp = getattr(sub.self_attention, "module", None), getattr(sub.mlp, "module", None)
+        attention, mlp = built_class(sub.self_attention), built_class(sub.mlp)  # a ModuleSpec, or a partial (0.18 on)
         keys = {}
         if isinstance(attention, type) and issubclass(attention, MLASelfAttention):
             keys["self_attention.q_layernorm."] = "self_attention.linear_q_up_proj.layer_norm_"

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Dict, Optional
 
 import torch
@@ -78,12 +79,14 @@ class SequenceParallelTorchNorm:
 
 
 def _replace_modules(spec: Any, replacements: Dict[type, type]) -> Any:
-    """A copy of a spec tree with the given module classes replaced (ModuleSpecs, submodule dataclasses, lists)."""
+    """A copy of a spec tree with the given module classes replaced (ModuleSpecs, partials, submodule dataclasses, lists)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     def swap(node: Any) -> Any:
         if isinstance(node, type):
             return replacements.get(node, node)
+        if isinstance(node, functools.partial):  # megatron-core 0.18 on: partial(MoELayer, submodules=...)
+            return functools.partial(swap(node.func), *swap(list(node.args)), **{k: swap(v) for k, v in node.keywords.items()})
         if isinstance(node, ModuleSpec):
             return dataclasses.replace(node, module=swap(node.module), submodules=swap(node.submodules))
         if isinstance(node, list):

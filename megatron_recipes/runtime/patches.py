@@ -1,10 +1,12 @@
 """Every change this project makes to megatron-core or torch, in one table, applied only when asked.
 
-Each row says what it replaces (``target``), the megatron-core versions it was found in, why, and the
-test that proves it; ``defect`` probes the *unpatched* library for the bug, so ``tests/test_patches.py``
-fails both when an upgrade makes a patch unneeded (the defect is gone: drop the row) and when a patch
-stops working (the defect is still there after ``apply``). Nothing is patched on import: a scope is
-applied where it begins, explicitly:
+Each row says what it replaces (``target``), the megatron-core releases that need it (``versions``, read
+from each release's source: 0.16.1, 0.17.1, 0.18.2, 0.19.2), why, and the test that proves it; a row is
+applied only inside its range. ``defect`` probes the *unpatched* library for the bug, by what it does where
+that can be run in one process, so ``tests/test_patches.py`` fails when a row is needed outside its range,
+when it is in range but no longer needed (fixed upstream: end the range), and when a patch stops working
+(the defect is still there after ``apply``). Nothing is patched on import: a scope is applied where it
+begins, explicitly:
 
 * ``process``: the entry points (``megatron-recipes``, ``python -m megatron_recipes.train``), before
   megatron-core is imported;
@@ -28,6 +30,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from megatron_recipes.runtime import mcore_compat
 from megatron_recipes.runtime.deferred_import import DeferredModule
 
 SCOPES = ("process", "cpu_lane", "local_mla", "optimizer", "fsdp", "save")
@@ -38,13 +41,14 @@ class Patch:
     name: str
     scope: str
     target: str  # "module:attribute" replaced, or the object a fix is applied to
-    versions: Tuple[str, Optional[str]]  # megatron-core [first seen, fixed in); None: not fixed yet
+    versions: Tuple[str, Optional[str]]  # megatron-core [first needing it, first not needing it); None: all since
     reason: str
     test: str  # "tests/file.py::test_name" proving it needed and working
     apply: Callable[..., Any]
     defect: Callable[[], bool]  # True while the unpatched library still shows the bug here
     on_object: bool = False  # fixes the object passed to ``apply`` (its test proves it works), not a module
     without_cuda: bool = False  # the defect exists only on a machine without CUDA
+    requires: Optional[str] = None  # a module that must be installed for the defect to exist (wandb)
 
 
 # --- process: torch.compile deferred ------------------------------------------------------------
@@ -199,10 +203,18 @@ def _fsdp_telinear_class() -> None:
         mcore_fsdp_adapter.TELinear = type("NoTELinear", (), {})  # no module is one: the non-TE branch
 
 
-def _fsdp_telinear_not_a_class() -> bool:
+def _fsdp_isinstance_telinear_raises() -> bool:
+    """The adapter's ``isinstance(module, TELinear)`` raises (0.18 on it compares class names instead)."""
     from megatron.core.distributed.fsdp import mcore_fsdp_adapter
 
-    return not isinstance(mcore_fsdp_adapter.TELinear, type)
+    telinear = getattr(mcore_fsdp_adapter, "TELinear", None)
+    if telinear is None:
+        return False
+    try:
+        isinstance(torch.nn.Linear(1, 1), telinear)
+        return False
+    except TypeError:
+        return True
 
 
 # --- local_mla: MLA on the local spec -----------------------------------------------------------
@@ -423,6 +435,9 @@ def _reduce_unsharded_grads_once() -> None:
 
 
 def _unsharded_grad_reduce_adds_back() -> bool:
+    """Reads the source (the defect shows only across two ranks): the accumulation line is in 0.16's method
+    and in 0.17's rewrite of it. The behaviour is ``tests/test_fsdp_gradients.py``: on 0.19.2 without this
+    row one rank is right but zero1 at DP=2 without overlap_grad_reduce logs grad norm 11.57 against DDP's 7.44."""
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
 
     method = pgb.GradReducePipeline._bucket_group_gradient_reduce
@@ -457,10 +472,20 @@ def _in_process_write_results() -> Iterator[None]:
 
 
 def _writer_starts_a_spawn_manager() -> bool:
+    """Asked for its results queue, the writer starts a ``multiprocessing`` Manager process (its queue is a
+    proxy to it); the Manager started here is shut down again and the writer's slot left as found."""
+    from multiprocessing.managers import BaseProxy
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    source = inspect.getsource(filesystem_async._get_write_results_queue)
-    return "spawn" in source and "Manager()" in source and filesystem_async._results_queue is None
+    if filesystem_async._results_queue is not None:  # a queue is already there: nothing gets started
+        return isinstance(filesystem_async._results_queue, BaseProxy)
+    made = mcore_compat.write_results_queue_getter()()
+    filesystem_async._results_queue = None
+    manager = getattr(made, "_manager", None)
+    if manager is not None:
+        manager.shutdown()
+    return isinstance(made, BaseProxy)
 
 
 _OPT = "tests/test_checkpoint_resharding.py"
@@ -472,24 +497,26 @@ PATCHES: List[Patch] = [
     Patch("defer-wandb-import", "process", "sys.modules['wandb']", ("0.16", None),
           "megatron-core imports wandb at import time where it is installed (~1 s of CPU per process), "
           "also in runs that log nowhere but to files", "tests/test_patches.py::test_wandb_is_imported_on_first_use",
-          _defer_wandb_import, _mcore_import_loads_wandb),
+          _defer_wandb_import, _mcore_import_loads_wandb, requires="wandb"),
     Patch("cpu-rng-state", "cpu_lane", "megatron.core.tensor_parallel.random:_get_cuda_rng_state,_set_cuda_rng_state",
           ("0.16", None), "the RNG tracker reads/writes torch.cuda.default_generators; on the lane the CUDA RNG "
           "is the CPU generator", "tests/test_cpu_lane.py", _rng_on_cpu, _rng_set_misses_the_cpu_generator,
           without_cuda=True),
-    Patch("moe-te-general-gemm", "cpu_lane", "megatron.core.transformer.moe.moe_utils:te_general_gemm", ("0.16", None),
-          "the router's GEMM helper tests a name left undefined when Transformer Engine is absent",
+    Patch("moe-te-general-gemm", "cpu_lane", "megatron.core.transformer.moe.moe_utils:te_general_gemm", ("0.16", "0.17"),
+          "the router's GEMM helper tests a name left undefined when Transformer Engine is absent (0.17 defines it None)",
           "tests/test_parallel_equivalence.py", _define_te_general_gemm, _te_general_gemm_undefined, without_cuda=True),
     Patch("grad-norm-float64", "cpu_lane", "megatron.core.optimizer.clip_grads:l2_norm_impl", ("0.16", None),
           "without Apex/TE the gradient norm is a float32 torch.norm whose CPU rounding depends on how a tensor is "
           "sharded: one model's norm differed 1.6e-5 between TP=1 and TP=2, so check called a right layout wrong",
           "tests/test_patches.py::test_grad_norm_is_the_same_for_every_sharding", _grad_norm_in_float64,
           _grad_norm_rounds_in_float32, without_cuda=True),
-    Patch("fsdp-telinear", "cpu_lane", "megatron.core.distributed.fsdp.mcore_fsdp_adapter:TELinear", ("0.16", None),
-          "Megatron-FSDP's adapter calls isinstance(module, TELinear); without TE that is a MagicMock, not a class",
-          "tests/test_sharding_equivalence.py", _fsdp_telinear_class, _fsdp_telinear_not_a_class, without_cuda=True),
-    Patch("mla-have-te", "local_mla", "megatron.core.transformer.multi_latent_attention:HAVE_TE", ("0.16", None),
-          "the module reports HAVE_TE with MagicMock placeholders for TE's classes, then isinstance()s them",
+    Patch("fsdp-telinear", "cpu_lane", "megatron.core.distributed.fsdp.mcore_fsdp_adapter:TELinear", ("0.16", "0.18"),
+          "Megatron-FSDP's adapter calls isinstance(module, TELinear); without TE that is a MagicMock, not a class "
+          "(0.18 compares class names and imports no TELinear)",
+          "tests/test_sharding_equivalence.py", _fsdp_telinear_class, _fsdp_isinstance_telinear_raises, without_cuda=True),
+    Patch("mla-have-te", "local_mla", "megatron.core.transformer.multi_latent_attention:HAVE_TE", ("0.16", "0.17"),
+          "the module reports HAVE_TE with MagicMock placeholders for TE's classes, then isinstance()s them "
+          "(0.17 takes HAVE_TE from its TE extension: False without TE)",
           "tests/test_train_local_spec.py", _mla_have_te_false, _mla_claims_te),
     Patch("mla-yarn-on-cpu", "local_mla", "megatron.core.transformer.multi_latent_attention:YarnRotaryEmbedding",
           ("0.16", None), "MLA builds its YaRN embedding without use_cpu_initialization: torch.device(0) without CUDA",
@@ -513,7 +540,8 @@ PATCHES: List[Patch] = [
           "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer:GradReducePipeline._bucket_group_gradient_reduce",
           ("0.16", None), "an unsharded grad buffer (zero1; any mode at DP=1) is reduced into a copy that is added back "
           "onto it, and zero1 without overlap_grad_reduce reduces again: gradients x2 per reduction at DP=1 (x2, x3, x7.5 "
-          "at 1, 2, 4 micro-batches under zero3), x2 under zero1 at DP=2, silently", "tests/test_fsdp_gradients.py",
+          "at 1, 2, 4 micro-batches under zero3), x2 under zero1 at DP=2, silently (0.17-0.19's rewrite fixes one rank, not "
+          "zero1 at DP=2)", "tests/test_fsdp_gradients.py",
           _reduce_unsharded_grads_once, _unsharded_grad_reduce_adds_back),
     Patch("in-process-write-results", "save", "megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",
           ("0.16", None), "the writer's results queue is a spawn Manager, whose child re-imports the entry script "
@@ -524,26 +552,20 @@ PATCHES: List[Patch] = [
 _APPLIED: set = set()
 
 
-def _version_tuple(text: str) -> Tuple[int, ...]:
-    return tuple(int(p) for p in text.split(".")[:3] if p.isdigit())
+def can_occur_here(patch: Patch) -> bool:
+    """The row's defect can exist on this machine at all (no CUDA where it needs none; its module installed)."""
+    if patch.without_cuda and torch.cuda.is_available():
+        return False
+    return patch.requires is None or importlib.util.find_spec(patch.requires) is not None
 
 
-def megatron_core_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("megatron-core")
-    except PackageNotFoundError:
-        return "0"
+def in_range(patch: Patch, release: Optional[str] = None) -> bool:
+    return mcore_compat.in_range(*patch.versions, release=release)
 
 
 def applies_here(patch: Patch) -> bool:
     """The installed megatron-core is in the row's range, and the row's defect can occur on this machine."""
-    low, high = patch.versions
-    now = _version_tuple(megatron_core_version())
-    if now < _version_tuple(low) or (high is not None and now >= _version_tuple(high)):
-        return False
-    return not patch.without_cuda or not torch.cuda.is_available()
+    return in_range(patch) and can_occur_here(patch)
 
 
 def rows(scope: str) -> List[Patch]:
@@ -553,7 +575,12 @@ def rows(scope: str) -> List[Patch]:
 
 
 def apply(scope: str, *objects: Any) -> List[str]:
-    """Apply the rows of ``scope`` (module patches once per process; object fixes to ``objects``); their names."""
+    """Apply the rows of ``scope`` (module patches once per process; object fixes to ``objects``); their names.
+
+    ``process`` (every entry point, first) refuses a megatron-core outside the supported range: the rows
+    are known right only inside it."""
+    if scope == "process":
+        mcore_compat.require_supported()
     names = []
     for patch in rows(scope):
         if patch.on_object:
@@ -579,3 +606,9 @@ def applied(scope: str) -> Iterator[None]:
 def defects() -> Dict[str, bool]:
     """Each row that applies here: does the library (as patched so far in this process) show its bug?"""
     return {p.name: bool(p.defect()) for p in PATCHES if applies_here(p)}
+
+
+def defects_in_and_out_of_range() -> Dict[str, Dict[str, bool]]:
+    """Every row whose defect can occur on this machine, in range or not: ``{"in_range", "defect"}``; the
+    test that a row is needed exactly where its range says (run on an unpatched library)."""
+    return {p.name: {"in_range": in_range(p), "defect": bool(p.defect())} for p in PATCHES if can_occur_here(p)}
