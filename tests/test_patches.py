@@ -60,7 +60,7 @@ def test_ranges_are_well_formed_and_outside_rows_are_not_applied():
 def test_every_module_patch_fixes_its_defect():
     code = (
         "import json; from megatron_recipes.runtime import patches\n"
-        "for scope in ('process', 'cpu_lane', 'local_mla', 'optimizer', 'fsdp'): patches.apply(scope)\n"
+        "for scope in patches.SCOPES:\n    if scope != 'save': patches.apply(scope)\n"
         "with patches.applied('save'): found = patches.defects()\n"
         "print(json.dumps(found))"
     )
@@ -120,3 +120,17 @@ def test_grad_norm_is_the_same_for_every_sharding():
     found = _run(code)
     assert found["before"] > 1e-6, found  # the defect the row fixes (drop the row when this fails)
     assert found["after"] < 3e-7, found  # float32 results: a few ulps
+
+
+def test_the_fallbacks_without_transformer_engine_are_patched_on_gpus_too():
+    """megatron-core's MoE router GEMM and Megatron-FSDP's TELinear check break wherever TE does not import,
+    a GPU image without TE included: those rows must not be limited to the CPU lane, and the model builder
+    (which every GPU run goes through) applies their scope."""
+    import inspect
+
+    from megatron_recipes.models import builder
+
+    rows = {p.name: p for p in patches.PATCHES}
+    for name in ("moe-te-general-gemm", "fsdp-telinear"):
+        assert rows[name].scope == "no_te" and not rows[name].without_cuda, name
+    assert 'patches.apply("no_te")' in inspect.getsource(builder.build_gpt_model)

@@ -9,6 +9,7 @@ import torch
 from megatron_recipes.config import derived
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.models import capabilities
+from megatron_recipes.runtime import patches
 from megatron_recipes.models.transformer_config import build_transformer_config
 
 
@@ -102,6 +103,10 @@ def build_gpt_model(
     from megatron.core.models.gpt import GPTModel
 
     use_te = capabilities.use_transformer_engine() if use_te is None else use_te
+    if not capabilities.detect().transformer_engine:
+        # megatron-core's fallbacks without TE (MoE router GEMM, Megatron-FSDP's TELinear check) fail on a
+        # GPU image without TE as on the CPU lane: runtime/patches.py scope no_te
+        patches.apply("no_te")
     config = config or transformer_config_for(cfg)
     m = cfg.model
     spec = layer_spec(cfg, config, vp_stage=vp_stage, use_te=use_te)

@@ -11,6 +11,8 @@ begins, explicitly:
 * ``process``: the entry points (``megatron-recipes``, ``python -m megatron_recipes.train``), before
   megatron-core is imported;
 * ``cpu_lane``: ``runtime/cpu_lane.activate`` (no CUDA);
+* ``no_te``: building a model where Transformer Engine does not import (``models/builder.py``), GPU or CPU:
+  megatron-core's TE fallbacks that break there, whatever the device;
 * ``local_mla``: building an MLA model on the local (non-TE) spec (``models/local_mla.py``);
 * ``optimizer``: ``training/optim.build_optimizer``, with the optimizer (some rows fix that object);
 * ``fsdp``: ``training/optim.wrap_model``, before Megatron-FSDP wraps a model (GPU and CPU alike);
@@ -33,7 +35,7 @@ import torch
 from megatron_recipes.runtime import mcore_compat
 from megatron_recipes.runtime.deferred_import import DeferredModule
 
-SCOPES = ("process", "cpu_lane", "local_mla", "optimizer", "fsdp", "save")
+SCOPES = ("process", "cpu_lane", "no_te", "local_mla", "optimizer", "fsdp", "save")
 
 
 @dataclass(frozen=True)
@@ -502,18 +504,18 @@ PATCHES: List[Patch] = [
           ("0.16", None), "the RNG tracker reads/writes torch.cuda.default_generators; on the lane the CUDA RNG "
           "is the CPU generator", "tests/test_cpu_lane.py", _rng_on_cpu, _rng_set_misses_the_cpu_generator,
           without_cuda=True),
-    Patch("moe-te-general-gemm", "cpu_lane", "megatron.core.transformer.moe.moe_utils:te_general_gemm", ("0.16", "0.17"),
+    Patch("moe-te-general-gemm", "no_te", "megatron.core.transformer.moe.moe_utils:te_general_gemm", ("0.16", "0.17"),
           "the router's GEMM helper tests a name left undefined when Transformer Engine is absent (0.17 defines it None)",
-          "tests/test_parallel_equivalence.py", _define_te_general_gemm, _te_general_gemm_undefined, without_cuda=True),
+          "tests/test_parallel_equivalence.py", _define_te_general_gemm, _te_general_gemm_undefined),
     Patch("grad-norm-float64", "cpu_lane", "megatron.core.optimizer.clip_grads:l2_norm_impl", ("0.16", None),
           "without Apex/TE the gradient norm is a float32 torch.norm whose CPU rounding depends on how a tensor is "
           "sharded: one model's norm differed 1.6e-5 between TP=1 and TP=2, so check called a right layout wrong",
           "tests/test_patches.py::test_grad_norm_is_the_same_for_every_sharding", _grad_norm_in_float64,
           _grad_norm_rounds_in_float32, without_cuda=True),
-    Patch("fsdp-telinear", "cpu_lane", "megatron.core.distributed.fsdp.mcore_fsdp_adapter:TELinear", ("0.16", "0.18"),
+    Patch("fsdp-telinear", "no_te", "megatron.core.distributed.fsdp.mcore_fsdp_adapter:TELinear", ("0.16", "0.18"),
           "Megatron-FSDP's adapter calls isinstance(module, TELinear); without TE that is a MagicMock, not a class "
           "(0.18 compares class names and imports no TELinear)",
-          "tests/test_sharding_equivalence.py", _fsdp_telinear_class, _fsdp_isinstance_telinear_raises, without_cuda=True),
+          "tests/test_sharding_equivalence.py", _fsdp_telinear_class, _fsdp_isinstance_telinear_raises),
     Patch("mla-have-te", "local_mla", "megatron.core.transformer.multi_latent_attention:HAVE_TE", ("0.16", "0.17"),
           "the module reports HAVE_TE with MagicMock placeholders for TE's classes, then isinstance()s them "
           "(0.17 takes HAVE_TE from its TE extension: False without TE)",
