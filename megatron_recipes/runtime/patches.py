@@ -12,7 +12,8 @@ applied where it begins, explicitly:
 * ``local_mla``: building an MLA model on the local (non-TE) spec (``models/local_mla.py``);
 * ``optimizer``: ``training/optim.build_optimizer``, with the optimizer (some rows fix that object);
 * ``fsdp``: ``training/optim.wrap_model``, before Megatron-FSDP wraps a model (GPU and CPU alike);
-* ``save``: around each synchronous checkpoint save (``checkpoint._mcore.save``), undone afterwards.
+* ``save``: around each synchronous checkpoint save (``checkpoint._mcore.save``), undone afterwards;
+* ``inference``: ``generate/engine.py``, before it builds megatron-core's text-generation controller.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 from megatron_recipes.runtime.deferred_import import DeferredModule
 
-SCOPES = ("process", "cpu_lane", "local_mla", "optimizer", "fsdp", "save")
+SCOPES = ("process", "cpu_lane", "local_mla", "optimizer", "fsdp", "save", "inference")
 
 
 @dataclass(frozen=True)
@@ -244,6 +245,34 @@ def _yarn_built_for_cuda() -> bool:
     source = inspect.getsource(mla.MultiLatentAttention.__init__)
     call = source[source.index("YarnRotaryEmbedding(") :]
     return "use_cpu_initialization" not in call[: call.index(")")] and not getattr(mla.YarnRotaryEmbedding, "on_cpu", False)
+
+
+def _sampling_rng_on_cpu() -> None:
+    from megatron.core.inference.text_generation_controllers import text_generation_controller as tgc
+
+    cls = tgc.TextGenerationController
+    if torch.cuda.is_available() or getattr(cls.__init__, "on_cpu", False):
+        return
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        lane_device = torch.cuda.current_device
+        torch.cuda.current_device = lambda: "cpu"  # only the controller's sampling generator reads it here
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            torch.cuda.current_device = lane_device
+
+    __init__.on_cpu = True
+    cls.__init__ = __init__
+
+
+def _sampling_rng_built_for_cuda() -> bool:
+    from megatron.core.inference.text_generation_controllers import text_generation_controller as tgc
+
+    init = tgc.TextGenerationController.__init__
+    return "torch.Generator(device=torch.cuda.current_device())" in inspect.getsource(init) and not getattr(init, "on_cpu", False)
 
 
 # --- optimizer: megatron-core's plain-torch optimizer path (no Apex, no TE) ---------------------
@@ -488,6 +517,11 @@ PATCHES: List[Patch] = [
     Patch("fsdp-telinear", "cpu_lane", "megatron.core.distributed.fsdp.mcore_fsdp_adapter:TELinear", ("0.16", None),
           "Megatron-FSDP's adapter calls isinstance(module, TELinear); without TE that is a MagicMock, not a class",
           "tests/test_sharding_equivalence.py", _fsdp_telinear_class, _fsdp_telinear_not_a_class, without_cuda=True),
+    Patch("inference-sampling-rng", "inference",
+          "megatron.core.inference.text_generation_controllers.text_generation_controller:TextGenerationController.__init__",
+          ("0.16", None), "the text-generation controller builds its sampling generator on torch.cuda.current_device(); "
+          "the lane's device index 0 is CUDA to torch.Generator, which then fails without an accelerator",
+          "tests/test_generate.py", _sampling_rng_on_cpu, _sampling_rng_built_for_cuda, without_cuda=True),
     Patch("mla-have-te", "local_mla", "megatron.core.transformer.multi_latent_attention:HAVE_TE", ("0.16", None),
           "the module reports HAVE_TE with MagicMock placeholders for TE's classes, then isinstance()s them",
           "tests/test_train_local_spec.py", _mla_have_te_false, _mla_claims_te),
