@@ -275,6 +275,26 @@ def _sampling_rng_built_for_cuda() -> bool:
     return "torch.Generator(device=torch.cuda.current_device())" in inspect.getsource(init) and not getattr(init, "on_cpu", False)
 
 
+def _pipeline_tensors_on_cpu() -> None:
+    from megatron.core.inference import communication_utils
+
+    if torch.cuda.is_available() or getattr(communication_utils._is_cuda, "on_cpu", False):
+        return
+
+    def _is_cuda(tensor):  # the lane's tensors are CPU tensors; what the check is for (a tensor is there) stays
+        assert tensor is not None
+
+    _is_cuda.on_cpu = True
+    communication_utils._is_cuda = _is_cuda
+
+
+def _pipeline_tensors_must_be_cuda() -> bool:
+    from megatron.core.inference import communication_utils
+
+    check = communication_utils._is_cuda
+    return "tensor.is_cuda" in inspect.getsource(check) and not getattr(check, "on_cpu", False)
+
+
 # --- optimizer: megatron-core's plain-torch optimizer path (no Apex, no TE) ---------------------
 
 
@@ -522,6 +542,10 @@ PATCHES: List[Patch] = [
           ("0.16", None), "the text-generation controller builds its sampling generator on torch.cuda.current_device(); "
           "the lane's device index 0 is CUDA to torch.Generator, which then fails without an accelerator",
           "tests/test_generate.py", _sampling_rng_on_cpu, _sampling_rng_built_for_cuda, without_cuda=True),
+    Patch("inference-pipeline-tensors", "inference", "megatron.core.inference.communication_utils:_is_cuda",
+          ("0.16", None), "the inference loop's pipeline send/receive/broadcast helpers assert CUDA tensors, so PP>1 "
+          "generation stops at its first stage boundary on the CPU lane", "tests/test_generate.py",
+          _pipeline_tensors_on_cpu, _pipeline_tensors_must_be_cuda, without_cuda=True),
     Patch("mla-have-te", "local_mla", "megatron.core.transformer.multi_latent_attention:HAVE_TE", ("0.16", None),
           "the module reports HAVE_TE with MagicMock placeholders for TE's classes, then isinstance()s them",
           "tests/test_train_local_spec.py", _mla_have_te_false, _mla_claims_te),
