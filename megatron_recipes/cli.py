@@ -20,10 +20,11 @@ SUBCOMMANDS = {
     "data": ("megatron_recipes.data.cli:main", "preprocess corpora, build index caches"),
     "slurm": ("megatron_recipes.slurm.cli:main", "render or submit sbatch scripts"),
     "report": ("megatron_recipes.report.cli:main", "write a run directory's report.html (also while it runs)"),
+    "generate": ("megatron_recipes.generate.cli:main", "text from a run's checkpoint (megatron-core's inference engine)"),
 }
 
 # subcommands that import megatron-core: the entry point applies runtime/patches.py's "process" scope first
-USE_MEGATRON_CORE = ("train", "plan", "check", "convert", "report")
+USE_MEGATRON_CORE = ("train", "plan", "check", "convert", "report")  # generate applies it after --help
 
 USAGE = "usage: megatron-recipes <subcommand> <recipe> [key=value ...] [--flags]\n\nsubcommands:\n" + "\n".join(
     f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()

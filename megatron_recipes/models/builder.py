@@ -142,14 +142,16 @@ def mask_padded_vocab(output_layer: torch.nn.Module, vocab_size: int) -> None:
     Those rows are not tokens: left at zero (as after an HF import) they would still take softmax mass,
     so our loss would differ from the HF model's on the same weights, and after pretraining they would
     have been trained against. Masking them makes the loss, the gradients and any sampling see exactly
-    the real vocabulary; their weights get no gradient. Works on this rank's vocabulary shard.
+    the real vocabulary; their weights get no gradient. Works on this rank's vocabulary shard, and on the
+    whole vocabulary when megatron-core gathers the logits inside the layer (inference: ``runtime_gather_output``).
     """
     from megatron.core import parallel_state
 
     def hook(module, args, output):
         logits = output[0] if isinstance(output, tuple) else output
         shard = logits.shape[-1]
-        start = vocab_size - parallel_state.get_tensor_model_parallel_rank() * shard
+        gathered = shard != module.output_size_per_partition  # every rank holds the full padded vocabulary
+        start = vocab_size - (0 if gathered else parallel_state.get_tensor_model_parallel_rank() * shard)
         if start < shard:
             logits[..., max(start, 0):] = torch.finfo(logits.dtype).min
         return output

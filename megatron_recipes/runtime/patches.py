@@ -16,7 +16,8 @@ begins, explicitly:
 * ``local_mla``: building an MLA model on the local (non-TE) spec (``models/local_mla.py``);
 * ``optimizer``: ``training/optim.build_optimizer``, with the optimizer (some rows fix that object);
 * ``fsdp``: ``training/optim.wrap_model``, before Megatron-FSDP wraps a model (GPU and CPU alike);
-* ``save``: around each synchronous checkpoint save (``checkpoint._mcore.save``), undone afterwards.
+* ``save``: around each synchronous checkpoint save (``checkpoint._mcore.save``), undone afterwards;
+* ``inference``: ``generate/engine.py``, before it builds megatron-core's text-generation controller.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from megatron_recipes.runtime import mcore_compat
 from megatron_recipes.runtime.deferred_import import DeferredModule
 
-SCOPES = ("process", "cpu_lane", "no_te", "local_mla", "optimizer", "fsdp", "save")
+SCOPES = ("process", "cpu_lane", "no_te", "local_mla", "optimizer", "fsdp", "save", "inference")
 
 
 @dataclass(frozen=True)
@@ -258,6 +259,54 @@ def _yarn_built_for_cuda() -> bool:
     source = inspect.getsource(mla.MultiLatentAttention.__init__)
     call = source[source.index("YarnRotaryEmbedding(") :]
     return "use_cpu_initialization" not in call[: call.index(")")] and not getattr(mla.YarnRotaryEmbedding, "on_cpu", False)
+
+
+def _sampling_rng_on_cpu() -> None:
+    from megatron.core.inference.text_generation_controllers import text_generation_controller as tgc
+
+    cls = tgc.TextGenerationController
+    if torch.cuda.is_available() or getattr(cls.__init__, "on_cpu", False):
+        return
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        lane_device = torch.cuda.current_device
+        torch.cuda.current_device = lambda: "cpu"  # only the controller's sampling generator reads it here
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            torch.cuda.current_device = lane_device
+
+    __init__.on_cpu = True
+    cls.__init__ = __init__
+
+
+def _sampling_rng_built_for_cuda() -> bool:
+    from megatron.core.inference.text_generation_controllers import text_generation_controller as tgc
+
+    init = tgc.TextGenerationController.__init__
+    return "torch.Generator(device=torch.cuda.current_device())" in inspect.getsource(init) and not getattr(init, "on_cpu", False)
+
+
+def _pipeline_tensors_on_cpu() -> None:
+    from megatron.core.inference import communication_utils
+
+    if torch.cuda.is_available() or getattr(communication_utils._is_cuda, "on_cpu", False):
+        return
+
+    def _is_cuda(tensor):  # the lane's tensors are CPU tensors; what the check is for (a tensor is there) stays
+        assert tensor is not None
+
+    _is_cuda.on_cpu = True
+    communication_utils._is_cuda = _is_cuda
+
+
+def _pipeline_tensors_must_be_cuda() -> bool:
+    from megatron.core.inference import communication_utils
+
+    check = communication_utils._is_cuda
+    return "tensor.is_cuda" in inspect.getsource(check) and not getattr(check, "on_cpu", False)
 
 
 # --- optimizer: megatron-core's plain-torch optimizer path (no Apex, no TE) ---------------------
@@ -516,6 +565,15 @@ PATCHES: List[Patch] = [
           "Megatron-FSDP's adapter calls isinstance(module, TELinear); without TE that is a MagicMock, not a class "
           "(0.18 compares class names and imports no TELinear)",
           "tests/test_sharding_equivalence.py", _fsdp_telinear_class, _fsdp_isinstance_telinear_raises),
+    Patch("inference-sampling-rng", "inference",
+          "megatron.core.inference.text_generation_controllers.text_generation_controller:TextGenerationController.__init__",
+          ("0.16", None), "the text-generation controller builds its sampling generator on torch.cuda.current_device(); "
+          "the lane's device index 0 is CUDA to torch.Generator, which then fails without an accelerator",
+          "tests/test_generate.py", _sampling_rng_on_cpu, _sampling_rng_built_for_cuda, without_cuda=True),
+    Patch("inference-pipeline-tensors", "inference", "megatron.core.inference.communication_utils:_is_cuda",
+          ("0.16", None), "the inference loop's pipeline send/receive/broadcast helpers assert CUDA tensors, so PP>1 "
+          "generation stops at its first stage boundary on the CPU lane", "tests/test_generate.py",
+          _pipeline_tensors_on_cpu, _pipeline_tensors_must_be_cuda, without_cuda=True),
     Patch("mla-have-te", "local_mla", "megatron.core.transformer.multi_latent_attention:HAVE_TE", ("0.16", "0.17"),
           "the module reports HAVE_TE with MagicMock placeholders for TE's classes, then isinstance()s them "
           "(0.17 takes HAVE_TE from its TE extension: False without TE)",

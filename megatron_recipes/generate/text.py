@@ -1,0 +1,137 @@
+"""The text side of ``generate``: which tokenizer, how a prompt becomes ids, where an answer ends.
+
+Every rank reads the same files and so makes the same ids; the engine then sees token ids only.
+
+- Tokenizer: ``tokenizer=``, else the run's ``data.tokenizer`` (a folder, or the built-in one), else
+  the tokenizer files an import kept next to the checkpoint (``hf/``, also through ``checkpoint.pretrained``).
+- A fine-tuned run's prompt is rendered with its chat template and tokenized segment by segment, exactly
+  as ``data/sft`` rendered its training conversations, so the model sees the prefix it learned to answer.
+- An answer ends at the tokenizer's end-of-sequence token, the chat template's end-of-turn token, or a
+  ``stop=`` text (cut after decoding: megatron-core's engine stops on one token id).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.config.schema import RunConfig
+
+_PLACEHOLDER = "x"  # an answer rendered only to find the text the template puts after one
+
+
+@dataclass
+class Prompt:
+    text: str  # as the user gave it
+    ids: List[int]  # what the model is fed
+
+
+@dataclass
+class Answer:
+    prompt: str
+    text: str
+    tokens: List[int]  # generated ids, without the stop token
+    finish_reason: str  # "stop" (end token or stop text) | "length" (max_new_tokens)
+
+    def record(self) -> dict:
+        return {"prompt": self.prompt, "text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason}
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
+
+
+def tokenizer_folder(cfg: RunConfig, ckpt: Path, explicit: Optional[str]):
+    """The tokenizer to generate with (see the module docstring); a ``RecipeTokenizer``."""
+    from megatron_recipes.convert.exporter import find_assets
+    from megatron_recipes.data.tokenizer import BUILTIN, load_tokenizer_dir, tokenizer_source
+
+    if explicit:
+        folder = Path(explicit).expanduser()
+        if not _has_tokenizer(folder):
+            raise RecipeError(f"tokenizer={explicit} holds no tokenizer.json/tokenizer_config.json", fix="point at a HF tokenizer folder")
+        return load_tokenizer_dir(folder)
+    if cfg.data.tokenizer != BUILTIN:
+        return tokenizer_source(cfg.data.tokenizer, cfg)
+    assets = find_assets(ckpt, cfg, None)
+    if assets is not None and _has_tokenizer(assets):
+        return load_tokenizer_dir(assets)
+    if cfg.data.kind in ("builtin", "sft"):  # trained on the built-in tokenizer (built or reused from data.cache_dir)
+        return tokenizer_source(BUILTIN, cfg)
+    raise RecipeError(
+        f"checkpoint '{ckpt}' names no tokenizer (data.tokenizer={cfg.data.tokenizer}, no tokenizer files beside it)",
+        fix="pass tokenizer=<the HF tokenizer folder the model was trained with>",
+    )
+
+
+def wants_chat(cfg: RunConfig, requested: Optional[bool]) -> bool:
+    """Chat template for fine-tuned runs (``data.kind=sft``) unless ``chat=`` says otherwise."""
+    return cfg.data.kind == "sft" if requested is None else bool(requested)
+
+
+class PromptMaker:
+    """Prompt text -> ids (plain, or through the run's chat template), and the ids an answer ends at."""
+
+    def __init__(self, tokenizer, cfg: RunConfig, chat: bool) -> None:
+        self.tokenizer = tokenizer
+        self.hf = tokenizer.hf
+        self.renderer = None
+        self.stop_ids = {int(tokenizer.eod)}
+        if getattr(self.hf, "eos_token_id", None) is not None:
+            self.stop_ids.add(int(self.hf.eos_token_id))
+        self.end_of_turn: Optional[int] = None
+        if chat:
+            from megatron_recipes.data.sft.render import ChatRenderer
+            from megatron_recipes.data.sft.templates import resolve_template
+
+            template = resolve_template(cfg.data.chat_template, self.hf, tokenizer.source)
+            self.renderer = ChatRenderer(self.hf, template)
+            self.end_of_turn = self._end_of_turn_id()
+            if self.end_of_turn is not None:
+                self.stop_ids.add(self.end_of_turn)
+
+    def _segments(self, text: str) -> Tuple[List[str], str]:
+        """The prompt's segments (user turn, generation prompt) and the text after a rendered answer."""
+        messages = [{"role": "user", "content": text}, {"role": "assistant", "content": _PLACEHOLDER}]
+        segments = self.renderer.segments(messages, "generate")
+        first_answer = next(i for i, (_, answer) in enumerate(segments) if answer)
+        after = segments[first_answer][0]
+        return [s for s, _ in segments[:first_answer]], after[len(_PLACEHOLDER):] if after.startswith(_PLACEHOLDER) else ""
+
+    def _end_of_turn_id(self) -> Optional[int]:
+        """The special token the template closes an answer with (``<|im_end|>``), if it is one token."""
+        _, after = self._segments("?")
+        ids = self.hf(after, add_special_tokens=False)["input_ids"] if after else []
+        if not ids:
+            return None
+        special = set(self.hf.all_special_ids) | set(getattr(self.hf, "added_tokens_decoder", {}) or {})
+        return int(ids[0]) if ids[0] in special else None
+
+    @property
+    def termination_id(self) -> int:
+        """The one id megatron-core's engine stops a sequence at: end-of-turn in chat, else end-of-sequence."""
+        return self.end_of_turn if self.end_of_turn is not None else int(self.tokenizer.eod)
+
+    def encode(self, text: str) -> Prompt:
+        if self.renderer is None:  # as a HF user's tokenizer(text) would: with its BOS, if it adds one
+            return Prompt(text, list(self.hf(text)["input_ids"]))
+        pieces, _ = self._segments(text)
+        ids: List[int] = []
+        for piece in pieces:
+            ids += self.hf(piece, add_special_tokens=False)["input_ids"]
+        return Prompt(text, ids)
+
+    def answer(self, prompt: Prompt, generated: Sequence[int], max_new_tokens: int, stop: Optional[str]) -> Answer:
+        """Cut at the first stop id, then at the stop text; decode."""
+        tokens = [int(t) for t in generated]
+        cut = next((i for i, t in enumerate(tokens) if t in self.stop_ids), None)
+        stopped = cut is not None or len(tokens) < max_new_tokens
+        tokens = tokens[:cut] if cut is not None else tokens
+        text = self.hf.decode(tokens, skip_special_tokens=True)
+        if stop and stop in text:
+            text = text[: text.index(stop)]
+            keep = next(n for n in range(len(tokens) + 1) if stop in self.hf.decode(tokens[:n], skip_special_tokens=True))
+            tokens, stopped = tokens[:keep], True
+        return Answer(prompt.text, text, tokens, "stop" if stopped else "length")

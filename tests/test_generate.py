@@ -1,0 +1,206 @@
+"""``megatron-recipes generate`` against transformers' ``generate`` on the exported HF model, token for token.
+
+A tiny random HF model (tests/convert_support.py) with the small built-in tokenizer is imported, exported
+again (the HF model a user would run), and generated from through the real command (its own torchrun
+ranks, gloo on the CPU lane) at several layouts: greedy, 64 new tokens, prompts of different lengths in
+one batch. Both sides run in float32; the reference stops at the same end tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from convert_support import make_hf_model
+from data_support import small_builtin, write_jsonl
+
+PROMPTS = ["def main():", "import os\nimport sys\n\nclass Parser:\n    def __init__(self, path):", "x ="]
+NEW_TOKENS = 64
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _hf_with_tokenizer(folder: Path, family: str, tokenizer_dir: Path) -> Path:
+    make_hf_model(family, folder)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, folder / name)
+    return folder
+
+
+def _models(shared_runs, data_cache, family: str) -> Dict[str, Path]:
+    """Imported checkpoint (``ckpt``) and its export (``hf``) of one tiny ``family`` model with a real tokenizer."""
+
+    def make():
+        from megatron_recipes.config.schema import ParallelConfig
+        from megatron_recipes.convert.exporter import run_export
+        from megatron_recipes.convert.importer import run_import
+
+        root = shared_runs.folder(f"generate-{family}")
+        source = _hf_with_tokenizer(root / "source", family, Path(small_builtin(data_cache).tokenizer_dir))
+        run_import(source, root / "ckpt", ParallelConfig(), dtype="fp32", progress=False)
+        run_export(root / "ckpt", root / "hf", progress=False)
+        return {"ckpt": root / "ckpt", "hf": root / "hf"}
+
+    return shared_runs.get(("generate", family), make)
+
+
+def generate_cli(ckpt: Path, *args: str, timeout: float = 900) -> List[dict]:
+    """The command as a user runs it; its --json records."""
+    command = [sys.executable, "-m", "megatron_recipes.cli", "generate", str(ckpt), *args, "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def hf_greedy(hf_dir: Path, prompts: List[str], new_tokens: int) -> List[List[int]]:
+    """transformers' greedy generate, one prompt at a time, cut before its first end token."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    stops = sorted({tokenizer.eos_token_id, model.generation_config.eos_token_id} - {None})
+    out = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            full = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=stops, pad_token_id=stops[0])
+        generated = full[0, ids.shape[1]:].tolist()
+        cut = next((i for i, t in enumerate(generated) if t in stops), len(generated))
+        out.append(generated[:cut])
+    return out
+
+
+CASES = [  # (family, layout): each family at the layouts its mapping has to get right
+    ("llama", ["parallel.tp=1"]),
+    ("llama", ["parallel.tp=2"]),
+    ("llama", ["parallel.pp=2"]),
+    ("qwen2", ["parallel.tp=2"]),  # tied embeddings: the output layer reads the embedding's shard
+    ("mixtral", ["parallel.ep=2"]),
+]
+
+
+@pytest.mark.parametrize("family,layout", CASES, ids=[f"{f}-{'-'.join(a.split('.')[-1].replace('=', '') for a in l)}" for f, l in CASES])
+def test_greedy_generate_is_token_identical_to_transformers(shared_runs, data_cache, family, layout, tmp_path):
+    models = _models(shared_runs, data_cache, family)
+    reference = shared_runs.get(("generate-reference", family), lambda: hf_greedy(models["hf"], PROMPTS, NEW_TOKENS))
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in PROMPTS])
+    records = generate_cli(models["ckpt"], f"prompts={prompts}", f"max_new_tokens={NEW_TOKENS}", *layout)
+    assert [r["prompt"] for r in records] == PROMPTS
+    assert [r["tokens"] for r in records] == reference
+    assert all(len(r["tokens"]) == NEW_TOKENS or r["finish_reason"] == "stop" for r in records)
+    assert sum(len(r["tokens"]) for r in records) > NEW_TOKENS  # not a trivial agreement on empty answers
+
+
+# --- options, prompts and answers: checked before any rank starts ---
+
+
+def _parse(*overrides: str):
+    from megatron_recipes.generate.options import parse
+
+    return parse(list(overrides), "generate")
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["temperature=-1"], "temperature=-1.0 is negative"),
+        (["temperature=0.8", "top_k=5", "top_p=0.9"], "both set"),
+        (["top_p=1.5", "temperature=1"], "outside [0, 1]"),
+        (["top_k=5"], "temperature=0 is greedy"),
+        (["max_new_tokens=0"], "max_new_tokens=0 must be >= 1"),
+        (["max_tokens=3"], "unknown option 'max_tokens'"),
+        (["parallel.tp=two"], "parallel.tp=two is not an integer"),
+    ],
+)
+def test_bad_options_are_refused_with_the_field_named(overrides, message):
+    from megatron_recipes.config.errors import RecipeError
+
+    with pytest.raises(RecipeError) as raised:
+        _parse(*overrides)
+    assert message in raised.value.message
+
+
+def test_sampling_options_are_typed():
+    opts = _parse("temperature=0.7", "top_p=0.9", "seed=3", "parallel.tp=2", "stop=###", "chat=false")
+    assert (opts.temperature, opts.top_p, opts.seed, opts.parallel.given(), opts.stop, opts.chat) == (0.7, 0.9, 3, {"tp": 2}, "###", False)
+
+
+def test_prompts_file_errors_name_the_line(tmp_path):
+    from megatron_recipes.config.errors import RecipeError
+    from megatron_recipes.generate.options import read_prompts
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "a"}\n\n{"text": "b = 1"}\n')
+    assert read_prompts(str(good)) == ["a", "b = 1"]
+    for body, message in [('{"prompt": "a"}\nnot json\n', "line 2: not JSON"), ('{"question": "a"}\n', 'line 1: no non-empty "prompt"')]:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(body)
+        with pytest.raises(RecipeError) as raised:
+            read_prompts(str(bad))
+        assert message in raised.value.message
+
+
+def test_command_line_keeps_prompts_with_equals_signs_and_refuses_unknown_flags():
+    from megatron_recipes.config.errors import RecipeError
+    from megatron_recipes.generate.cli import split
+
+    positional, overrides, flags = split(["runs/x", "What is x = 3?", "top_k=0", "--json", "a==b"])
+    assert (positional, overrides, flags) == (["runs/x", "What is x = 3?", "a==b"], ["top_k=0"], {"json"})
+    with pytest.raises(RecipeError, match="unknown flag '--stream'"):
+        split(["runs/x", "--stream"])
+
+
+def test_cli_errors_are_one_message_without_traceback(tmp_path):
+    command = [sys.executable, "-m", "megatron_recipes.cli", "generate", str(tmp_path / "missing"), "hello"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "does not exist" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.fixture(scope="module")
+def chat_maker(data_cache):
+    """The prompt side of a fine-tuned (SFT) run on the built-in tokenizer with its chatml template."""
+    from data_support import small_cfg
+    from megatron_recipes.data.tokenizer import load_tokenizer_dir
+    from megatron_recipes.generate.text import PromptMaker, wants_chat
+
+    cfg = small_cfg(data_cache, "data.kind=sft", "data.sft_path=builtin", "data.chat_template=chatml")
+    tokenizer = load_tokenizer_dir(small_builtin(data_cache).tokenizer_dir)
+    assert wants_chat(cfg, None) and not wants_chat(cfg, False)
+    return PromptMaker(tokenizer, cfg, chat=True), cfg, tokenizer
+
+
+def test_chat_prompt_is_tokenized_as_fine_tuning_rendered_it(chat_maker):
+    """The ids fed to the model are the fine-tuning sample's ids up to where its answer starts."""
+    from megatron_recipes.data.sft.render import ChatRenderer
+    from megatron_recipes.data.sft.templates import template_text
+
+    maker, _, tokenizer = chat_maker
+    question = "What type is [3, 'node']?"
+    sample = ChatRenderer(tokenizer.hf, template_text("chatml")).tokenize(
+        [("t", [{"role": "user", "content": question}, {"role": "assistant", "content": "list"}])]
+    )[0]
+    answer_start = int(sample.mask.argmax())
+    prompt = maker.encode(question)
+    assert prompt.ids == sample.ids[:answer_start].tolist()
+    assert maker.termination_id == tokenizer.hf.convert_tokens_to_ids("<|im_end|>")
+    assert maker.termination_id in maker.stop_ids and tokenizer.eod in maker.stop_ids
+
+
+def test_answers_end_at_stop_tokens_and_stop_text(chat_maker):
+    maker, _, tokenizer = chat_maker
+    prompt = maker.encode("hi")
+    words = tokenizer.hf("list of words", add_special_tokens=False)["input_ids"]
+    ended = maker.answer(prompt, words + [maker.termination_id] + words, 64, None)
+    assert (ended.tokens, ended.text, ended.finish_reason) == (words, "list of words", "stop")
+    full = maker.answer(prompt, words, len(words), None)
+    assert full.finish_reason == "length"
+    cut = maker.answer(prompt, words, len(words), " of")
+    assert cut.text == "list" and cut.finish_reason == "stop" and cut.tokens == words[: len(cut.tokens)]
