@@ -94,7 +94,7 @@ def test_fsdp_zero3_with_tp2_matches_single_rank_and_estimate(reference):
 
 def test_hsdp_is_refused_because_it_diverges_from_single_rank():
     """Why rule fsdp.no_hybrid_instances exists: megatron-core runs it (the rule is skipped here) but its
-    gradients come out twice the one-rank run's (Adam as SGD shows it; AdamW hides a uniform factor). Before
+    gradient norm is not the one-rank run's (Adam as SGD shows it; AdamW hides a uniform factor). Before
     patch row fsdp-unsharded-grad-reduce the losses drifted under AdamW too. If this starts to match, lift the rule."""
     from megatron_recipes.validation.validate import validate
     from test_fsdp_gradients import OVERRIDES, train_steps
@@ -104,7 +104,9 @@ def test_hsdp_is_refused_because_it_diverges_from_single_rank():
     hsdp = run_ranks(train_steps, 2, 2, [*OVERRIDES, *HSDP], 1, timeout=900)[0]
     single = run_ranks(train_steps, 1, 1, OVERRIDES, 1, timeout=900)[0]
     assert hsdp[0][0] == pytest.approx(single[0][0], rel=1e-6)  # same loss: same weights and data
-    assert hsdp[0][1] == pytest.approx(2 * single[0][1], rel=1e-4), (hsdp, single)  # gradient norm x2
+    # gradient norm off: x2 while the schedule hooks followed Megatron-FSDP's rewritten overlap flags, 0.74x
+    # since they follow the recipe as Megatron-LM does (issue 24); either way not the one-rank run's
+    assert hsdp[0][1] != pytest.approx(single[0][1], rel=1e-2), (hsdp, single)
 
 
 def test_zero1_estimate_would_miss_fsdp_sharding():
