@@ -140,12 +140,9 @@ class Trainer:
         self.model = optim.wrap_model(self.cfg, chunks)
         self.optimizer = optim.build_optimizer(self.cfg, self.model)
         if self.start.weights is not None:
-            # Main params from the loaded weights, as Megatron-LM's load_checkpoint does without optimizer
-            # state: under fp8_model_init TE keeps each weight's random init and the distributed optimizer
-            # builds its fp32 shards from it. Clearing that value before the build instead would crash it
-            # (TE's clear leaves the getter, which then returns None). A resume restores the main params
-            # from the optimizer state afterwards; without main params this is a no-op.
-            self.optimizer.reload_model_params()
+            # Clearing TE's kept init before the build instead would crash it (TE's clear leaves the getter,
+            # which then returns None). A resume restores the main params from the optimizer state afterwards.
+            optim.reload_main_params(self.cfg, self.optimizer)
         self.scheduler = optim.build_scheduler(self.cfg, self.optimizer)
         optim.configure_schedule_hooks(self.cfg, self.model, self.optimizer)  # grad_scale_func is the optimizer's
         self.forward_step = step.make_forward_step(

@@ -220,6 +220,17 @@ def build_optimizer(cfg: RunConfig, model: List[torch.nn.Module]):
     return optimizer
 
 
+def reload_main_params(cfg: RunConfig, optimizer) -> None:
+    """Main params from the loaded start weights, as Megatron-LM's load_checkpoint does without optimizer
+    state: under fp8_model_init TE keeps each weight's random init and the distributed optimizer builds its
+    fp32 shards from it. Megatron-FSDP builds its main weights from the model when it wraps it, after the
+    load, so there is nothing to re-read: megatron-core 0.16 returns there and 0.19 raises
+    NotImplementedError. Without main params this is a no-op."""
+    if cfg.parallel.fsdp:
+        return
+    optimizer.reload_model_params()
+
+
 def build_scheduler(cfg: RunConfig, optimizer):
     """Warm-up then cosine/linear/constant decay, counted in optimizer steps (not samples)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
