@@ -177,9 +177,10 @@ def chat_maker(data_cache):
     return PromptMaker(tokenizer, cfg, chat=True), cfg, tokenizer
 
 
-@pytest.mark.xfail(strict=True, reason="open (issue 26): the chat prompt maker ends a turn at id 0, not the built-in tokenizer's <|im_end|>, which it does not know; generate of a fine-tuned run is not yet right")
 def test_chat_prompt_is_tokenized_as_fine_tuning_rendered_it(chat_maker):
-    """The ids fed to the model are the fine-tuning sample's ids up to where its answer starts."""
+    """The ids fed to the model are the fine-tuning sample's ids up to where its answer starts, and the
+    answer ends where the sample's did: at the template's end-of-turn, which the built-in tokenizer (no
+    ``<|im_end|>`` token) spells in several tokens, so it is a stop text, not the engine's one stop id."""
     from megatron_recipes.data.sft.render import ChatRenderer
     from megatron_recipes.data.sft.templates import template_text
 
@@ -191,17 +192,86 @@ def test_chat_prompt_is_tokenized_as_fine_tuning_rendered_it(chat_maker):
     answer_start = int(sample.mask.argmax())
     prompt = maker.encode(question)
     assert prompt.ids == sample.ids[:answer_start].tolist()
-    assert maker.termination_id == tokenizer.hf.convert_tokens_to_ids("<|im_end|>")
-    assert maker.termination_id in maker.stop_ids and tokenizer.eod in maker.stop_ids
+    taught = sample.ids[answer_start:].tolist()  # "list<|im_end|>\n", token by token, as fine-tuning taught it
+    word = tokenizer.hf("list", add_special_tokens=False)["input_ids"]
+    assert tokenizer.hf.convert_tokens_to_ids("<|im_end|>") is None and taught[: len(word)] == word
+    assert maker.termination_id == tokenizer.eod and maker.stop_texts == ["<|im_end|>"]
+    first_end = next(n for n in range(len(taught) + 1) if maker.ended(taught[:n]))
+    assert tokenizer.hf.decode(taught[:first_end]).endswith("<|im_end|>") and not maker.ended(taught[: first_end - 1])
+    got = maker.answer(prompt, taught + taught, 64)  # the model ran on past the turn's end
+    assert (got.text, got.tokens, got.finish_reason) == ("list", word, "stop")
+
+
+def test_chat_end_of_turn_that_is_one_special_token_is_the_engines_stop_id(chat_maker, tmp_path):
+    from megatron_recipes.data.tokenizer import load_tokenizer_dir
+    from megatron_recipes.generate.text import PromptMaker
+
+    _, cfg, tokenizer = chat_maker
+    hf = load_tokenizer_dir(tokenizer.source).hf
+    hf.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    hf.save_pretrained(str(tmp_path))
+    own = load_tokenizer_dir(tmp_path)
+    maker = PromptMaker(own, cfg, chat=True)
+    end = own.hf.convert_tokens_to_ids("<|im_end|>")
+    assert maker.termination_id == end and {end, own.eod} <= maker.stop_ids and maker.stop_texts == []
+    assert maker.ended([5, end]) and not maker.ended([5, 6])
 
 
 def test_answers_end_at_stop_tokens_and_stop_text(chat_maker):
-    maker, _, tokenizer = chat_maker
+    from megatron_recipes.generate.text import PromptMaker
+
+    maker, cfg, tokenizer = chat_maker
     prompt = maker.encode("hi")
     words = tokenizer.hf("list of words", add_special_tokens=False)["input_ids"]
-    ended = maker.answer(prompt, words + [maker.termination_id] + words, 64, None)
+    ended = maker.answer(prompt, words + [tokenizer.eod] + words, 64)
     assert (ended.tokens, ended.text, ended.finish_reason) == (words, "list of words", "stop")
-    full = maker.answer(prompt, words, len(words), None)
+    full = maker.answer(prompt, words, len(words))
     assert full.finish_reason == "length"
-    cut = maker.answer(prompt, words, len(words), " of")
-    assert cut.text == "list" and cut.finish_reason == "stop" and cut.tokens == words[: len(cut.tokens)]
+    stopping = PromptMaker(tokenizer, cfg, chat=True, stop=" of")
+    cut = stopping.answer(prompt, words, len(words))
+    assert cut.text == "list" and cut.finish_reason == "stop" and tokenizer.hf.decode(cut.tokens) == "list"
+    assert stopping.ended(words) and not stopping.ended(words[:1])
+
+
+def test_engine_stops_the_rows_whose_answer_ended():
+    """The controller's extra end check: only started, unfinished rows, on their own generated ids."""
+    import torch
+
+    from megatron_recipes.generate.engine import finished_rows
+
+    tokens = torch.tensor([[1, 2, 7, 8, 9], [1, 7, 8, 3, 3], [7, 8, 7, 8, 7], [1, 2, 3, 7, 8]])
+    started = torch.tensor([True, True, False, True])
+    done = torch.tensor([False, False, False, True])
+    lengths = torch.tensor([3, 4, 0, 2])  # ids generated so far, the newest at position 4
+    seen = []
+
+    def ended(ids):
+        seen.append(ids)
+        return ids[-1] == 9
+
+    assert finished_rows(tokens, 4, started, done, lengths, ended).tolist() == [True, False, False, True]
+    assert seen == [[7, 8, 9], [7, 8, 3, 3]]
+    assert done.tolist() == [False, False, False, True]  # the caller's tensor is left alone
+
+
+def test_generation_stops_at_a_stop_text(shared_runs, data_cache):
+    """Through the real command: the answer is the reference's text up to the stop text, finished by it."""
+    from transformers import AutoTokenizer
+
+    models = _models(shared_runs, data_cache, "llama")
+    reference = shared_runs.get(("generate-reference", "llama"), lambda: hf_greedy(models["hf"], PROMPTS, NEW_TOKENS))
+    tokenizer = AutoTokenizer.from_pretrained(str(models["hf"]))
+    number, ids = max(enumerate(reference), key=lambda item: len(item[1]))
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+
+    def spelled(n):
+        return tokenizer.decode(ids[:n], skip_special_tokens=True)
+
+    def stop_at(k):  # two reference tokens as a stop text, first met at token k, between whole characters
+        stop = tokenizer.decode(ids[k : k + 2], skip_special_tokens=True)
+        whole = spelled(k) + stop == spelled(k + 2) and spelled(k - 1) != spelled(k) and "\ufffd" not in spelled(k + 2)
+        return stop if whole and stop.strip() and "\n" not in stop and text.find(stop) == len(spelled(k)) else None
+
+    k = next(k for k in range(2, len(ids) - 2) if stop_at(k))
+    [record] = generate_cli(models["ckpt"], PROMPTS[number], f"max_new_tokens={NEW_TOKENS}", f"stop={stop_at(k)}")
+    assert (record["text"], record["tokens"], record["finish_reason"]) == (text[: text.index(stop_at(k))], ids[:k], "stop")

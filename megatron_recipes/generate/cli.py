@@ -99,7 +99,7 @@ def prepare(argv: Sequence[str]):
     layout = layout_for(meta.get("layout") or {}, opts.parallel.given())
     tokenizer = tokenizer_folder(cfg, resolved, opts.tokenizer)
     check_fits_model(tokenizer, cfg)
-    maker = PromptMaker(tokenizer, cfg, wants_chat(cfg, opts.chat))
+    maker = PromptMaker(tokenizer, cfg, wants_chat(cfg, opts.chat), opts.stop)
     encoded = [maker.encode(p) for p in prompts]
     sampling = Sampling(opts.max_new_tokens, opts.temperature, opts.top_k, opts.top_p, opts.seed)
     dtype = opts.dtype.value if opts.dtype is not None else _default_dtype(cfg)
@@ -125,11 +125,11 @@ def run_here(job, maker, encoded, opts, flags) -> int:
     from megatron_recipes.runtime.distributed import shutdown
 
     try:
-        generated = generate_ids(job)
+        generated = generate_ids(job, maker.ended)  # every rank's maker judges the same ids alike
     finally:
         shutdown()
     if generated is not None:
-        show([maker.answer(p, ids, opts.max_new_tokens, opts.stop) for p, ids in zip(encoded, generated)], "json" in flags)
+        show([maker.answer(p, ids, opts.max_new_tokens) for p, ids in zip(encoded, generated)], "json" in flags)
     return 0
 
 

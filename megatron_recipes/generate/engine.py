@@ -12,11 +12,13 @@ a token-for-token comparison with transformers need.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -102,6 +104,39 @@ class _IdsOnly:
         return [0] * len(ids)
 
 
+Ended = Callable[[Sequence[int]], bool]  # the text side's judgement: has this answer so far ended?
+
+
+def finished_rows(tokens: torch.Tensor, position: int, started: torch.Tensor, done: torch.Tensor, lengths: torch.Tensor, ended: Ended) -> torch.Tensor:
+    """``done`` with the rows whose answer (its ``lengths`` newest ids, ending at ``position``) has ``ended``."""
+    done = done.clone()
+    for row in (started & ~done).nonzero().flatten().tolist():
+        count = int(lengths[row])
+        if count and ended(tokens[row, position + 1 - count : position + 1].tolist()):
+            done[row] = True
+    return done
+
+
+def _controller_class():
+    """megatron-core's controller, also stopping a sequence where ``ended`` says (other stop ids, stop texts).
+
+    Its static loop stops at one termination id; it asks ``update_generation_status`` after each token on
+    every rank with the same ids, so every rank stops the same rows.
+    """
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
+
+    class StoppingController(TextGenerationController):
+        ended: Optional[Ended] = None
+
+        def update_generation_status(self, updated_prompts_tokens, generation_started, current_context_end_position, *args, **kwargs):
+            done, lengths = super().update_generation_status(updated_prompts_tokens, generation_started, current_context_end_position, *args, **kwargs)
+            if self.ended is None:
+                return done, lengths
+            return finished_rows(updated_prompts_tokens, current_context_end_position, generation_started, done, lengths, self.ended), lengths
+
+    return StoppingController
+
+
 def _wrapped_model(model, cfg: RunConfig, max_requests: int, max_sequence: int):
     """GPTInferenceWrapper + StaticInferenceContext (the KV cache), in the installed megatron-core's API."""
     from megatron.core.inference.contexts import StaticInferenceContext
@@ -143,8 +178,11 @@ def check_lengths(cfg: RunConfig, prompts: List[List[int]], max_new_tokens: int)
     return longest
 
 
-def generate_ids(job: Job) -> Optional[List[List[int]]]:
-    """Run ``job`` on this rank (every rank of the layout calls it); rank 0 gets the generated ids."""
+def generate_ids(job: Job, ended: Optional[Ended] = None) -> Optional[List[List[int]]]:
+    """Run ``job`` on this rank (every rank of the layout calls it); rank 0 gets the generated ids.
+
+    ``ended``: asked after each new token, besides ``job.termination_id`` (every rank must judge alike).
+    """
     from megatron_recipes.runtime import patches
     from megatron_recipes.runtime.distributed import init_model_parallel
 
@@ -153,14 +191,15 @@ def generate_ids(job: Job) -> Optional[List[List[int]]]:
     cfg = generation_config(ckpt, job.parallel, job.dtype, world)
     longest = check_lengths(cfg, job.prompts, job.sampling.max_new_tokens)
     init_model_parallel(cfg)
-    model = load_model(cfg, ckpt)
+    with contextlib.redirect_stdout(sys.stderr):  # what was loaded is a note; stdout holds the answers only
+        model = load_model(cfg, ckpt)
     patches.apply("inference")
     from megatron.core.inference.engines import StaticInferenceEngine
     from megatron.core.inference.inference_request import InferenceRequest
-    from megatron.core.inference.text_generation_controllers.text_generation_controller import TextGenerationController
 
     batch = min(job.batch_size, len(job.prompts))
-    controller = TextGenerationController(_wrapped_model(model, cfg, batch, longest), _IdsOnly(job.termination_id))
+    controller = _controller_class()(_wrapped_model(model, cfg, batch, longest), _IdsOnly(job.termination_id))
+    controller.ended = ended
     controller.sampling_rng.manual_seed(job.sampling.seed)
     engine = StaticInferenceEngine(controller, max_batch_size=batch, random_seed=job.sampling.seed, legacy=True)
     params = _sampling_params(job.sampling)

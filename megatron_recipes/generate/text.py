@@ -6,8 +6,10 @@ Every rank reads the same files and so makes the same ids; the engine then sees 
   the tokenizer files an import kept next to the checkpoint (``hf/``, also through ``checkpoint.pretrained``).
 - A fine-tuned run's prompt is rendered with its chat template and tokenized segment by segment, exactly
   as ``data/sft`` rendered its training conversations, so the model sees the prefix it learned to answer.
-- An answer ends at the tokenizer's end-of-sequence token, the chat template's end-of-turn token, or a
-  ``stop=`` text (cut after decoding: megatron-core's engine stops on one token id).
+- An answer ends at the tokenizer's end-of-sequence token, the chat template's end-of-turn (one special
+  token, e.g. a Qwen tokenizer's ``<|im_end|>``; or its text, e.g. ``<|im_end|>`` spelled in several
+  tokens by the built-in tokenizer, which has no such token) or a ``stop=`` text. megatron-core's engine
+  stops on one token id; ``ended`` is what the engine asks after each new token for the others.
 """
 
 from __future__ import annotations
@@ -72,15 +74,16 @@ def wants_chat(cfg: RunConfig, requested: Optional[bool]) -> bool:
 
 
 class PromptMaker:
-    """Prompt text -> ids (plain, or through the run's chat template), and the ids an answer ends at."""
+    """Prompt text -> ids (plain, or through the run's chat template), and where an answer ends."""
 
-    def __init__(self, tokenizer, cfg: RunConfig, chat: bool) -> None:
+    def __init__(self, tokenizer, cfg: RunConfig, chat: bool, stop: Optional[str] = None) -> None:
         self.tokenizer = tokenizer
         self.hf = tokenizer.hf
         self.renderer = None
         self.stop_ids = {int(tokenizer.eod)}
         if getattr(self.hf, "eos_token_id", None) is not None:
             self.stop_ids.add(int(self.hf.eos_token_id))
+        self.stop_texts: List[str] = [stop] if stop else []
         self.end_of_turn: Optional[int] = None
         if chat:
             from megatron_recipes.data.sft.render import ChatRenderer
@@ -88,9 +91,8 @@ class PromptMaker:
 
             template = resolve_template(cfg.data.chat_template, self.hf, tokenizer.source)
             self.renderer = ChatRenderer(self.hf, template)
-            self.end_of_turn = self._end_of_turn_id()
-            if self.end_of_turn is not None:
-                self.stop_ids.add(self.end_of_turn)
+            self._end_of_turn()
+        self._window = max((len(t.encode("utf-8")) for t in self.stop_texts), default=0) + 1
 
     def _segments(self, text: str) -> Tuple[List[str], str]:
         """The prompt's segments (user turn, generation prompt) and the text after a rendered answer."""
@@ -100,14 +102,16 @@ class PromptMaker:
         after = segments[first_answer][0]
         return [s for s, _ in segments[:first_answer]], after[len(_PLACEHOLDER):] if after.startswith(_PLACEHOLDER) else ""
 
-    def _end_of_turn_id(self) -> Optional[int]:
-        """The special token the template closes an answer with (``<|im_end|>``), if it is one token."""
+    def _end_of_turn(self) -> None:
+        """What the template closes an answer with: a special token's id, else its text as a stop text."""
         _, after = self._segments("?")
         ids = self.hf(after, add_special_tokens=False)["input_ids"] if after else []
-        if not ids:
-            return None
         special = set(self.hf.all_special_ids) | set(getattr(self.hf, "added_tokens_decoder", {}) or {})
-        return int(ids[0]) if ids[0] in special else None
+        if ids and ids[0] in special:
+            self.end_of_turn = int(ids[0])
+            self.stop_ids.add(self.end_of_turn)
+        elif after.strip():  # fine-tuning taught the model these characters, token by token
+            self.stop_texts.insert(0, after.strip())
 
     @property
     def termination_id(self) -> int:
@@ -123,15 +127,36 @@ class PromptMaker:
             ids += self.hf(piece, add_special_tokens=False)["input_ids"]
         return Prompt(text, ids)
 
-    def answer(self, prompt: Prompt, generated: Sequence[int], max_new_tokens: int, stop: Optional[str]) -> Answer:
-        """Cut at the first stop id, then at the stop text; decode."""
+    def _decode(self, tokens: Sequence[int]) -> str:
+        return self.hf.decode(list(tokens), skip_special_tokens=True)
+
+    def ended(self, generated: Sequence[int]) -> bool:
+        """Whether the answer so far (checked after each new token) has reached a stop id or stop text.
+
+        A stop text first appears with the newest token, so it lies in the last ``len(text in bytes)``
+        tokens (each decodes to one byte or more): only that tail is decoded.
+        """
+        if not generated:
+            return False
+        if int(generated[-1]) in self.stop_ids:
+            return True
+        if not self.stop_texts:
+            return False
+        tail = self._decode(generated[-self._window:])
+        return any(t in tail for t in self.stop_texts)
+
+    def answer(self, prompt: Prompt, generated: Sequence[int], max_new_tokens: int) -> Answer:
+        """Cut at the first stop id, then before the first stop text; decode."""
         tokens = [int(t) for t in generated]
         cut = next((i for i, t in enumerate(tokens) if t in self.stop_ids), None)
         stopped = cut is not None or len(tokens) < max_new_tokens
         tokens = tokens[:cut] if cut is not None else tokens
-        text = self.hf.decode(tokens, skip_special_tokens=True)
-        if stop and stop in text:
-            text = text[: text.index(stop)]
-            keep = next(n for n in range(len(tokens) + 1) if stop in self.hf.decode(tokens[:n], skip_special_tokens=True))
+        text = self._decode(tokens)
+        found = [text.index(t) for t in self.stop_texts if t in text]
+        if found:
+            text = text[: min(found)]
+            # the fewest tokens that spell the kept text: a token that only starts the stop text's first
+            # character (one byte of several) belongs to the stop text
+            keep = next(n for n in range(len(tokens) + 1) if self._decode(tokens[:n]).startswith(text))
             tokens, stopped = tokens[:keep], True
         return Answer(prompt.text, text, tokens, "stop" if stopped else "length")
