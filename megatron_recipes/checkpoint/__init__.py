@@ -10,6 +10,7 @@ behind them are private (tests/test_checkpoint_boundary.py enforces it):
 - ``_adapters``   checkpoints of models with adapters hold the trainable tensors only
 - ``_fsdp``       Megatron-FSDP runs' checkpoints (megatron-core's fsdp_dtensor format), behind save/load
 - ``_save_load``  one checkpoint saved or loaded collectively, in any layout
+- ``_async``      saves written in the background (checkpoint.async_save), one in flight at a time
 - ``_start``      what a training run starts from (resume, pretrained/base/seed weights)
 
 The folder-level names import no torch (``megatron-recipes report`` reads checkpoint folders); the rest
@@ -38,6 +39,8 @@ from megatron_recipes.checkpoint._identity import check_same_model
 
 if TYPE_CHECKING:
     from megatron_recipes.checkpoint._adapters import AdapterModule
+    from megatron_recipes.checkpoint._async import BackgroundSaves
+    from megatron_recipes.checkpoint._async import enabled as async_enabled
     from megatron_recipes.checkpoint._mcore import root_cause
     from megatron_recipes.checkpoint._save_load import (
         finish_weights_only,
@@ -52,6 +55,8 @@ if TYPE_CHECKING:
 
 _NEEDS_TORCH = {
     "AdapterModule": "_adapters",
+    "BackgroundSaves": "_async",
+    "async_enabled": ("_async", "enabled"),
     "root_cause": "_mcore",
     "finish_weights_only": "_save_load",
     "load": "_save_load",
@@ -72,19 +77,22 @@ def __getattr__(name: str) -> Any:
     if name not in _NEEDS_TORCH:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    value = getattr(importlib.import_module(f"{__name__}.{_NEEDS_TORCH[name]}"), name)
+    module, attr = _NEEDS_TORCH[name] if isinstance(_NEEDS_TORCH[name], tuple) else (_NEEDS_TORCH[name], name)
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
     globals()[name] = value
     return value
 
 
 __all__ = [
     "AdapterModule",
+    "BackgroundSaves",
     "CHECKPOINTS",
     "SavedRun",
     "Start",
     "TRACKER",
     "TRUST_ENV",
     "UntrustedCheckpoint",
+    "async_enabled",
     "check_same_model",
     "checkpoints_root",
     "clean_leftovers",

@@ -214,15 +214,8 @@ def _comparable_common(common: Dict[str, Any]) -> Dict[str, Any]:
 def save(sharded_sd: Dict[str, Any], directory: Path, content_metadata: Dict[str, Any]) -> None:
     """megatron-core ``dist_checkpointing.save`` (torch_dist), the writes spread over data-parallel ranks."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    _require_psutil()
-    threads = 2 if torch.cuda.is_available() else 1  # writer processes per rank; one suffices on CPU
-    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=threads)
-    group = _dp_group()
-    if group.size() > 1:
-        strategy = FullyParallelSaveStrategyWrapper(strategy, group)
+    strategy = _save_strategy()
     with patches.applied("save"):
         dist_checkpointing.save(
             sharded_sd,
@@ -231,6 +224,52 @@ def save(sharded_sd: Dict[str, Any], directory: Path, content_metadata: Dict[str
             content_metadata=dict(content_metadata),
             preprocess_common_before_consistancy_check=_comparable_common,
         )
+
+
+def _save_strategy():
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    _require_psutil()
+    threads = 2 if torch.cuda.is_available() else 1  # writer processes per rank; one suffices on CPU
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=threads)
+    group = _dp_group()
+    return FullyParallelSaveStrategyWrapper(strategy, group) if group.size() > 1 else strategy
+
+
+def save_async(sharded_sd: Dict[str, Any], directory: Path, content_metadata: Dict[str, Any]):
+    """megatron-core's async ``dist_checkpointing.save``: plans and stages now (collective), returns the
+    ``AsyncRequest`` whose write runs in a forked process; its finalize functions (every rank, after every
+    rank's write) check the results and write ``metadata.json``."""
+    from megatron.core import dist_checkpointing
+
+    with patches.applied("async_save"):  # the writer's results queue, from a fork-started Manager
+        return dist_checkpointing.save(
+            sharded_sd,
+            str(directory),
+            sharded_strategy=_save_strategy(),
+            async_sharded_save=True,
+            content_metadata=dict(content_metadata),
+            preprocess_common_before_consistancy_check=_comparable_common,
+        )
+
+
+def state_bytes(sharded_sd: Dict[str, Any]) -> int:
+    """Bytes of the tensors this rank holds in ``sharded_sd`` (main replicas only: what it may write)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    total = 0
+    for item in nested_values(sharded_sd):
+        data = getattr(item, "data", None) if isinstance(item, ShardedTensor) else item
+        if torch.is_tensor(data) and not _is_replica(getattr(item, "replica_id", 0)):
+            total += data.numel() * data.element_size()
+    return total
+
+
+def _is_replica(replica_id: Any) -> bool:
+    ids = replica_id if isinstance(replica_id, tuple) else (replica_id,)
+    return any(int(i) != 0 for i in ids)
 
 
 def load(sharded_sd: Dict[str, Any], directory: Path) -> Dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, TypeVar
 
@@ -23,9 +24,11 @@ import torch
 from megatron_recipes import files
 from megatron_recipes.checkpoint import _adapters
 from megatron_recipes.checkpoint import _files as store
+from megatron_recipes.checkpoint import _formats as formats
 from megatron_recipes.checkpoint import _fsdp as fsdp_ckpt
 from megatron_recipes.checkpoint import _identity as identity
 from megatron_recipes.checkpoint import _mcore as io
+from megatron_recipes.checkpoint._async import BackgroundSaves
 from megatron_recipes.checkpoint._trust import restricted_loading
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
@@ -77,12 +80,8 @@ def _is_distributed_optimizer(optimizer) -> bool:
 def _optimizer_format(cfg: RunConfig, optimizer) -> Optional[str]:
     if optimizer is None or not _is_distributed_optimizer(optimizer):
         return None
-    fmt = cfg.checkpoint.optimizer_format
-    if fmt not in io.OPTIMIZER_FORMATS:
-        raise RecipeError(
-            f"checkpoint.optimizer_format={fmt!r} is not known",
-            fix=f"use {' or '.join(io.OPTIMIZER_FORMATS)} (fully_reshardable resumes in any layout)",
-        )
+    fmt, why = formats.choose(cfg)
+    formats.say_once(fmt, why, torch.distributed.get_rank())
     return fmt
 
 
@@ -165,8 +164,12 @@ def save(
     state: Dict[str, Any],
     cfg: RunConfig,
     keep_last: int,
+    background: Optional[BackgroundSaves] = None,
 ) -> Path:
     """Save ``root/iter_{step:07d}`` and return it once complete (tracker updated, old ones pruned).
+
+    With ``background`` (``checkpoint.async_save``) the write runs in the background: the save before it is
+    completed first, and this one completes in ``background.poll()``/``wait()`` (``_async``).
 
     ``optimizer=None`` (with ``scheduler=None``) writes a weights-only checkpoint, e.g. a conversion.
     ``state`` holds the loop's global counters (step, consumed samples, data position): plain values or
@@ -176,6 +179,9 @@ def save(
     _require_dist()
     if step < 0:
         raise RecipeError(f"checkpoint step {step} is negative", fix="save with the number of completed steps")
+    began = time.perf_counter()
+    if background is not None:
+        background.wait("before the next save")  # one save in flight at a time
     root = Path(root).expanduser()
     io.check_plain(dict(state))
     fmt = _optimizer_format(cfg, optimizer)
@@ -194,6 +200,12 @@ def save(
             sharded["scheduler"] = scheduler.state_dict()
         sharded[io.RNG_KEY] = io.rng_object(io.capture_rng())
         sharded["state"] = dict(state)
+    if background is not None and not fsdp:
+        meta = _meta(step, cfg, len(model_chunks), optimizer, scheduler, fmt)
+        request = io.save_async(sharded, store.staging_dir(root, step), content_metadata=io.content_metadata(metadata))
+        finish = lambda: on_rank0("finishing the checkpoint", lambda: _finish(root, step, meta, cfg, keep_last))  # noqa: E731
+        background.schedule(request, step, root, io.state_bytes(sharded), began, finish)
+        return store.iter_dir(root, step)  # complete once background.poll()/wait() says so
     try:
         if fsdp:  # [FSDP hook]
             fsdp_ckpt.save(model_chunks, optimizer, scheduler, state, store.staging_dir(root, step))
@@ -321,6 +333,8 @@ def load(
             "fully_reshardable to resume in any layout",
         )
     same_ranks = identity.same_ranks(saved_layout, now)
+    if not same_ranks and optimizer is not None:
+        formats.note_resharded_resume(identity.describe(saved_layout), identity.describe(now))
     if not same_ranks and torch.distributed.get_rank() == 0:
         log.warning(
             "resharding checkpoint %s from %s to %s; RNG streams start fresh",

@@ -234,7 +234,12 @@ class CheckpointConfig:
     save: bool = True
     # Distributed-optimizer state on disk: fully_reshardable resumes in any TP/PP/VPP/DP/EP layout;
     # dp_reshardable saves without gathering but resumes only with the same model-parallel layout.
-    optimizer_format: str = "fully_reshardable"
+    # auto: dp_reshardable when the fully_reshardable gather is large (estimate/checkpoint_cost.py), else
+    # fully_reshardable, and fully_reshardable after a resume that changed the layout (the log says which).
+    optimizer_format: str = "auto"
+    # Write in the background (megatron-core's async torch_dist save); the loop blocks only to stage the
+    # tensors. null: on with CUDA, off on the CPU lane (its tiny saves take less than forking the writer).
+    async_save: Optional[bool] = None
     # Loading unpickles only what a checkpoint needs (tensors, plain values, the index records); true lifts
     # that for checkpoints you made or trust, whose pickled objects may then run code (SECURITY.md).
     trust_code: bool = False

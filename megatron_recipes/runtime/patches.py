@@ -36,7 +36,7 @@ import torch
 from megatron_recipes.runtime import mcore_compat
 from megatron_recipes.runtime.deferred_import import DeferredModule
 
-SCOPES = ("process", "cpu_lane", "no_te", "local_mla", "optimizer", "fsdp", "save", "inference")
+SCOPES = ("process", "cpu_lane", "no_te", "local_mla", "optimizer", "fsdp", "save", "async_save", "inference")
 
 
 @dataclass(frozen=True)
@@ -539,6 +539,40 @@ def _writer_starts_a_spawn_manager() -> bool:
     return isinstance(made, BaseProxy)
 
 
+_FORK_MANAGER: List[Any] = []  # [manager, queue]: one per process, started on the first async save
+
+
+@contextlib.contextmanager
+def _forked_write_results() -> Iterator[None]:
+    """For an async save: a results queue served by a *fork*-started Manager (the write runs in another
+    process, so the queue must cross processes; a fork child does not re-import the entry script)."""
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not _FORK_MANAGER:
+        manager = multiprocessing.get_context("fork").Manager()
+        queue_ = manager.Queue()
+        queue_._megatron_recipes_fork = True
+        _FORK_MANAGER.extend([manager, queue_])
+    previous = filesystem_async._results_queue
+    filesystem_async._results_queue = _FORK_MANAGER[1]
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = previous
+
+
+def _async_writer_starts_a_spawn_manager() -> bool:
+    """The queue an async save would get is a spawn-started Manager's (ours is marked as fork-started)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    slot = filesystem_async._results_queue
+    if slot is not None:
+        return not getattr(slot, "_megatron_recipes_fork", False)
+    return _writer_starts_a_spawn_manager()
+
+
 _OPT = "tests/test_checkpoint_resharding.py"
 PATCHES: List[Patch] = [
     Patch("defer-torch-compile", "process", "torch:compile", ("0.16", None),
@@ -607,6 +641,10 @@ PATCHES: List[Patch] = [
           ("0.16", None), "the writer's results queue is a spawn Manager, whose child re-imports the entry script "
           "(an unguarded one trains again and hangs the save); a synchronous save needs no Manager",
           "tests/test_checkpoint_kill.py", _in_process_write_results, _writer_starts_a_spawn_manager),
+    Patch("forked-write-results", "async_save", "megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",
+          ("0.16", None), "an async save's write results cross processes, and the writer's queue is a spawn Manager, "
+          "whose child re-imports the entry script (an unguarded one trains again and hangs the save)",
+          "tests/test_checkpoint_async.py", _forked_write_results, _async_writer_starts_a_spawn_manager),
 ]
 
 _APPLIED: set = set()

@@ -117,6 +117,9 @@ class Trainer:
         self.consumed_samples = 0
         self.sink: Optional[sinks.MetricsLog] = None
         self.preemption = PreemptionWatcher(self.run_dir).install()  # SIGUSR1/SIGTERM or a flag file
+        # checkpoint.async_save: saves write in the background, one at a time, completed before the next
+        # save, a requeue and the exit (checkpoint/_async.py)
+        self.background = checkpoint.BackgroundSaves() if checkpoint.async_enabled(cfg.checkpoint.async_save) else None
 
     # ----- set-up -------------------------------------------------------------------------------
     def prepare_data_artifacts(self):
@@ -185,6 +188,7 @@ class Trainer:
             if self.advance():
                 return 0
         self.save()
+        self.wait_for_save("before exit")
         self._finish()
         return 0
 
@@ -233,15 +237,19 @@ class Trainer:
         start = time.perf_counter()
         result = step.train_step(cfg, self.model, self.optimizer, self.scheduler, self.train_iters, self.forward_step, self.device)
         self._record(result, time.perf_counter() - start)
+        if self.background is not None:
+            self.background.poll()  # completes a finished background save (tracker, retention)
         if self._due(cfg.checkpoint.save_interval):
             self.save()
         if self.preemption.requested(self.step):
             self.save()
+            self.wait_for_save("before the requeue")
             self.preemption.mark_preempted(self.step)
             self._say(f"preempted: checkpoint at step {self.step} written, exiting for a requeue")
             return True
         if self._exit_now():
             self.save()
+            self.wait_for_save("before exit")
             self._say(f"train.exit_interval={cfg.train.exit_interval}: stopping at step {self.step} (checkpoint written)")
             return True
         return False
@@ -343,12 +351,19 @@ class Trainer:
         optim.finish_param_sync(self.model)  # else other ranks' shards would be the previous step's
         self._save_checkpoint(self.step, self.consumed_samples, self.model, self.optimizer, self.scheduler)
 
+    def wait_for_save(self, why: str) -> None:
+        """A background save in flight is completed (or its failure raised) before ``why``."""
+        if self.background is not None:
+            self.background.wait(why)
+
     def _save_checkpoint(self, step_: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
         """``consumed_samples`` is the whole data-iterator state (the batch iterator is a pure function of it);
-        no optimizer (the step-0 seed) makes a weights-only checkpoint."""
+        no optimizer (the step-0 seed) makes a weights-only checkpoint (always in the foreground)."""
         state = {"step": step_, "consumed_samples": consumed_samples}
         root = checkpoint.checkpoints_root(self.cfg)
-        return checkpoint.save(root, step_, model, optimizer, scheduler, state, self.cfg, self.cfg.checkpoint.keep_last)
+        background = self.background if optimizer is not None else None
+        return checkpoint.save(root, step_, model, optimizer, scheduler, state, self.cfg, self.cfg.checkpoint.keep_last,
+                               background=background)
 
     # ----- output -------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -431,6 +446,8 @@ class Trainer:
         self._say("\n".join(lines))
 
     def close(self) -> None:
+        if self.background is not None:
+            self.background.abort()  # after an error only: a normal end has completed its saves already
         if self.sink is not None:
             self.sink.close()
         self.preemption.uninstall()
