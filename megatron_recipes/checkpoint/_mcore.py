@@ -31,7 +31,7 @@ import torch
 from megatron_recipes.checkpoint import _adapters
 from megatron_recipes.checkpoint._trust import UntrustedCheckpoint, causes, find_refusal
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.runtime import collectives, patches
+from megatron_recipes.runtime import collectives, mcore_compat, patches
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +249,7 @@ def save_async(sharded_sd: Dict[str, Any], directory: Path, content_metadata: Di
             str(directory),
             sharded_strategy=_save_strategy(),
             async_sharded_save=True,
+            **mcore_compat.async_save_options(),
             content_metadata=dict(content_metadata),
             preprocess_common_before_consistancy_check=_comparable_common,
         )

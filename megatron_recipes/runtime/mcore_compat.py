@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import re
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from megatron_recipes.config.errors import RecipeError
 
@@ -91,6 +91,13 @@ def write_results_queue_getter() -> Callable[[], Any]:
 
     name = "get_write_results_queue" if at_least("0.17") else "_get_write_results_queue"
     return getattr(filesystem_async, name)
+
+
+def async_save_options(release: Optional[str] = None) -> Dict[str, Any]:
+    """Extra ``dist_checkpointing.save`` arguments of an async save: from 0.17 it takes ``async_strategy``,
+    whose default ``"nvrx"`` needs nvidia-resiliency-ext; ``"mcore"`` is megatron-core's own writer, the one
+    0.16 always used, whose ``AsyncCallsQueue`` (``strategies.async_utils``) the trainer drives."""
+    return {"async_strategy": "mcore"} if at_least("0.17", release) else {}
 
 
 # --- layer specs ---
