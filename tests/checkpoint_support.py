@@ -16,6 +16,15 @@ import torch
 SEQ = 16
 GBS = 4
 VOCAB = 256
+# ~10M parameters: a save writes ~150 MB (seconds), long enough to kill a rank in it or train beside it.
+BIG = [
+    "model.num_layers=4",
+    "model.hidden_size=384",
+    "model.num_attention_heads=6",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=1152",
+    "model.vocab_size=4096",
+]
 
 
 def tiny_cfg(run_dir: str, *, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, world: int = 1, extra=()):

@@ -18,14 +18,7 @@ import checkpoint_support as cs
 from multiproc import run_ranks
 
 pytestmark = pytest.mark.slow
-BIG = [
-    "model.num_layers=4",
-    "model.hidden_size=384",
-    "model.num_attention_heads=6",
-    "model.num_query_groups=2",
-    "model.ffn_hidden_size=1152",
-    "model.vocab_size=4096",
-]
+BIG = cs.BIG
 
 
 def _cfg(run_dir: str, world: int = 2):

@@ -23,15 +23,7 @@ from multiproc import run_ranks
 
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parent
-# ~10M parameters: a save writes ~150 MB (seconds), and the kill follows its first file within ms.
-BIG = [
-    "model.num_layers=4",
-    "model.hidden_size=384",
-    "model.num_attention_heads=6",
-    "model.num_query_groups=2",
-    "model.ffn_hidden_size=1152",
-    "model.vocab_size=4096",
-]
+BIG = cs.BIG  # the kill follows the first file of its ~150 MB save within ms
 
 CHILD = """
 import sys

@@ -146,3 +146,22 @@ def test_rules_table(capsys):
     assert rc == 0
     table = json.loads(out)
     assert [r["id"] for r in table] == [r.id for r in RULES] and len(table) >= 40
+
+
+def test_checkpoint_optimizer_format_follows_the_gather_and_plan_warns_when_forced(capsys):
+    """auto saves dp_reshardable where the fully_reshardable gather (the fullest stage's fp32 params and
+    Adam moments, on DP rank 0's host) is large; a forced fully_reshardable gets a warning naming the fix."""
+    rc, out, _ = _run(capsys, *L70, "--json")
+    plan = json.loads(out)
+    fullest = max(s["params"] for s in plan["memory"]["stages"])
+    ck = plan["checkpoint"]
+    assert ck["gather_host_gb"] == pytest.approx(fullest * 12 / 1e9)
+    assert ck["gather_large"] and ck["optimizer_format"] == "dp_reshardable" and ck["why"].startswith("auto:")
+    rc, out, _ = _run(capsys, *L70, "checkpoint.optimizer_format=fully_reshardable")
+    assert rc == 0 and "checkpoint optimizer format: fully_reshardable" in out
+    assert "warning: every save gathers" in out and "checkpoint.optimizer_format=dp_reshardable" in out
+    rc, out, _ = _run(capsys, "tiny_llama_cpu", "--json")
+    tiny = json.loads(out)["checkpoint"]
+    assert tiny["optimizer_format"] == "fully_reshardable" and not tiny["gather_large"]
+    rc, out, err = _run(capsys, "tiny_llama_cpu", "checkpoint.optimizer_format=zero9")
+    assert rc == 2 and "checkpoint.optimizer_format" in err + out

@@ -36,6 +36,7 @@ from megatron_recipes.checkpoint._files import (
 )
 from megatron_recipes.checkpoint._files import resolve_dir as resolve
 from megatron_recipes.checkpoint._identity import check_same_model
+from megatron_recipes.checkpoint._formats import choose as optimizer_format_for
 
 if TYPE_CHECKING:
     from megatron_recipes.checkpoint._adapters import AdapterModule
@@ -94,6 +95,7 @@ __all__ = [
     "UntrustedCheckpoint",
     "async_enabled",
     "check_same_model",
+    "optimizer_format_for",
     "checkpoints_root",
     "clean_leftovers",
     "finish_weights_only",

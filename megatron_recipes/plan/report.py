@@ -57,6 +57,7 @@ def render_plan(plan: Dict[str, Any], console: Console, all_groups: bool = False
                   + (" | ..." if len(stages) > 16 else ""))
     _render_groups(plan, console, all_groups)
     _render_memory(plan["memory"], console)
+    _render_checkpoint(plan["checkpoint"], console)
     _render_time(plan["step_time"], console)
 
 
@@ -117,6 +118,15 @@ def _render_memory(mem: Dict[str, Any], console: Console) -> None:
     word = "margin" if mem["fits"] else "short by"
     console.print(f"verdict: {verdict}: the fullest GPU (stage {mem['worst_stage']}) needs {mem['worst_total_gb']:.1f} of "
                   f"{mem['capacity_gb']:.1f} GB, {word} {abs(mem['margin_gb']):.1f} GB")
+
+
+def _render_checkpoint(ck: Dict[str, Any], console: Console) -> None:
+    console.print(f"checkpoint optimizer format: {ck['optimizer_format']} ({ck['why']})")
+    if ck["gather_large"] and ck["optimizer_format"] == "fully_reshardable":
+        console.print(f"[bold yellow]warning[/bold yellow]: every save gathers {ck['gather_host_gb']:.0f} GB of optimizer "
+                      f"state into DP rank 0's host memory (~{ck['gather_s']:.0f} s over gloo); "
+                      "checkpoint.optimizer_format=dp_reshardable (or auto) saves the "
+                      "shards where they are and resumes at the same model-parallel layout")
 
 
 def _render_time(st: Dict[str, Any], console: Console) -> None:

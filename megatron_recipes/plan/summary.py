@@ -132,6 +132,17 @@ def time_dict(cfg: RunConfig, groups: Dict[str, GroupKind]) -> Dict[str, Any]:
     }
 
 
+def checkpoint_dict(cfg: RunConfig) -> Dict[str, Any]:
+    """What every save costs the host: the optimizer format a save will use and its fully_reshardable gather."""
+    from megatron_recipes.checkpoint import optimizer_format_for
+    from megatron_recipes.estimate.checkpoint_cost import optimizer_gather
+
+    fmt, why = optimizer_format_for(cfg)
+    cost = optimizer_gather(cfg)
+    return {"optimizer_format": fmt, "why": why, "gather_host_gb": cost.host_bytes / GB,
+            "gather_s": cost.seconds, "gather_large": cost.large}
+
+
 def build_plan(cfg: RunConfig, recipe: str, all_groups: bool = False) -> Dict[str, Any]:
     groups = build_group_map(cfg)
     total = model_params(cfg)
@@ -149,6 +160,7 @@ def build_plan(cfg: RunConfig, recipe: str, all_groups: bool = False) -> Dict[st
         "groups": {k: group_dict(v, all_groups) for k, v in groups.items()},
         "ranks": rank_map(cfg, groups, all_groups),
         "memory": memory_dict(cfg),
+        "checkpoint": checkpoint_dict(cfg),
         "step_time": time_dict(cfg, groups),
     }
 
