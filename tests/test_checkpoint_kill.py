@@ -30,7 +30,7 @@ import sys
 sys.path.insert(0, {tests!r})
 import torch
 import checkpoint_support as cs
-from megatron_recipes.checkpoint import checkpoints_root, save
+from megatron_recipes.checkpoint import BackgroundSaves, checkpoints_root, save
 
 t = cs.Trainer(cs.tiny_cfg({run_dir!r}, extra={big!r}))
 root = checkpoints_root(t.cfg)
@@ -39,7 +39,10 @@ save(root, 1, t.model, t.optimizer, t.scheduler, {{"step": 1}}, t.cfg, keep_last
 print("CHECKSUM", repr(cs.checksum(t.model)), flush=True)
 print("SAVED 1", flush=True)
 t.train(2, 2)
-save(root, 2, t.model, t.optimizer, t.scheduler, {{"step": 2}}, t.cfg, keep_last=2)
+background = BackgroundSaves() if {asynchronous!r} else None  # checkpoint.async_save: a forked writer
+save(root, 2, t.model, t.optimizer, t.scheduler, {{"step": 2}}, t.cfg, keep_last=2, background=background)
+if background is not None:
+    background.wait("in the test")
 print("SAVED 2", flush=True)
 """
 
@@ -67,11 +70,13 @@ def _resume(run_dir: str):
     return out
 
 
-def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, asynchronous):
+    """``async``: the kill lands while the forked background writer writes (it dies with the rank's group)."""
     run_dir = tmp_path / "run"
     root = run_dir / "checkpoints"
     script = tmp_path / "train_unguarded.py"
-    script.write_text(textwrap.dedent(CHILD.format(tests=str(TESTS), run_dir=str(run_dir), big=BIG)))
+    script.write_text(textwrap.dedent(CHILD.format(tests=str(TESTS), run_dir=str(run_dir), big=BIG, asynchronous=asynchronous)))
     log = tmp_path / "child.log"
     staging = root / "iter_0000002.incomplete"
     with open(log, "w") as out:

@@ -115,3 +115,26 @@ def test_a_dying_rank_stops_the_whole_job(tmp_path, cache):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_async_saves_finish_before_the_requeue_and_the_resume_is_exact(tmp_path, cache, straight):
+    """checkpoint.async_save=true: a preemption's save runs in the background and is completed before the run
+    marks itself preempted (the requeue's cue); the resumed run, saving in the background too, trains the
+    same history as the uninterrupted synchronous one."""
+    run_dir = tmp_path / "run"
+    flag = tmp_path / "PREEMPT"
+    flag.touch()  # a preemption notice already waiting: the first step's check stops the run
+    first = ts.train(run_dir, cache, *BASE, "checkpoint.async_save=true", "checkpoint.save_interval=1000", nproc=2,
+                     env={"MEGATRON_RECIPES_PREEMPT_FILE": str(flag)}).check()
+    order = ["checkpoint save started: step 1", "waiting for the checkpoint in flight (step 1) before the requeue",
+             "checkpoint save finished", "preempted: checkpoint at step 1 written"]
+    where = [first.output.find(text) for text in order]
+    assert -1 not in where and where == sorted(where), (where, first.output[-4000:])
+    root = run_dir / "checkpoints"
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "1" and (run_dir / "preempted.json").exists()
+
+    second = ts.train(run_dir, cache, *BASE, "checkpoint.async_save=true", "checkpoint.save_interval=2", nproc=2).check()
+    assert f"resumed from {root / 'iter_0000001'}" in second.output
+    assert f"checkpoint save finished: {root / f'iter_{2 * N:07d}'}" in second.output
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == str(2 * N)
+    assert _history(second) == _history(straight)
