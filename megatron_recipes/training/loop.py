@@ -120,6 +120,7 @@ class Trainer:
         # checkpoint.async_save: saves write in the background, one at a time, completed before the next
         # save, a requeue and the exit (checkpoint/_async.py)
         self.background = checkpoint.BackgroundSaves() if checkpoint.async_enabled(cfg.checkpoint.async_save) else None
+        self.saves, self.save_blocked_s = 0, 0.0  # the seconds the loop spent in saves and in waiting for them
 
     # ----- set-up -------------------------------------------------------------------------------
     def prepare_data_artifacts(self):
@@ -189,6 +190,7 @@ class Trainer:
                 return 0
         self.save()
         self.wait_for_save("before exit")
+        self._say_saves()
         self._finish()
         return 0
 
@@ -238,18 +240,22 @@ class Trainer:
         result = step.train_step(cfg, self.model, self.optimizer, self.scheduler, self.train_iters, self.forward_step, self.device)
         self._record(result, time.perf_counter() - start)
         if self.background is not None:
+            began = time.perf_counter()
             self.background.poll()  # completes a finished background save (tracker, retention)
+            self.save_blocked_s += time.perf_counter() - began
         if self._due(cfg.checkpoint.save_interval):
             self.save()
         if self.preemption.requested(self.step):
             self.save()
             self.wait_for_save("before the requeue")
+            self._say_saves()
             self.preemption.mark_preempted(self.step)
             self._say(f"preempted: checkpoint at step {self.step} written, exiting for a requeue")
             return True
         if self._exit_now():
             self.save()
             self.wait_for_save("before exit")
+            self._say_saves()
             self._say(f"train.exit_interval={cfg.train.exit_interval}: stopping at step {self.step} (checkpoint written)")
             return True
         return False
@@ -348,13 +354,23 @@ class Trainer:
         if not self.cfg.checkpoint.save or self.last_saved == self.step:
             return
         self.last_saved = self.step
+        began = time.perf_counter()
         optim.finish_param_sync(self.model)  # else other ranks' shards would be the previous step's
         self._save_checkpoint(self.step, self.consumed_samples, self.model, self.optimizer, self.scheduler)
+        self.saves, self.save_blocked_s = self.saves + 1, self.save_blocked_s + time.perf_counter() - began
 
     def wait_for_save(self, why: str) -> None:
         """A background save in flight is completed (or its failure raised) before ``why``."""
         if self.background is not None:
+            began = time.perf_counter()
             self.background.wait(why)
+            self.save_blocked_s += time.perf_counter() - began
+
+    def _say_saves(self) -> None:
+        if self.saves:
+            mode = "in the background" if self.background is not None else "in the foreground"
+            self._say(f"checkpoint saves: {self.saves} written {mode}; the training loop was blocked "
+                      f"{self.save_blocked_s:.2f} s by them ({self.save_blocked_s / self.saves:.2f} s per save)")
 
     def _save_checkpoint(self, step_: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
         """``consumed_samples`` is the whole data-iterator state (the batch iterator is a pure function of it);
