@@ -17,7 +17,8 @@ step-0 checkpoint of the single-rank model (``checkpoint.pretrained``), the tiny
   all-reduces bf16 partial outputs; PP sends bf16 activations, which is exact), so each token's loss
   carries an independent relative error of order u; the step loss is the fp32 mean over the global
   batch's 256 tokens, which divides independent errors by sqrt(256) = 16. Measured: TP=2 2e-5, PP=2 0.
-  Over the 4 steps the loss moves by about 2% (checked below), 100x the tolerance.
+  Over the 4 steps the loss moves away from step 1's by 0.8-2% (Python 3.12's torch build / 3.11's),
+  checked below to exceed 25x the tolerance.
 - Resume is bit-identical: 4 steps straight equal 2 + (restart) + 2 under DP=2 with the distributed
   optimizer (its fp32 main shards and Adam moments go through the checkpoint).
 """
@@ -111,7 +112,8 @@ def test_bf16_layout_matches_single_rank(base, cache, init, reference, layout):
     diffs = ts.relative_diffs(got, reference)
     assert all(d <= TOLERANCE for d in diffs), f"{layout}: {got} vs single rank {reference}; relative {diffs} > {TOLERANCE}"
     # the loss must move many tolerances over the run, or the comparison could not tell layouts apart
-    assert abs(reference[-1] - reference[0]) > 40 * TOLERANCE * reference[0], f"training barely moved: {reference}"
+    moved = max(abs(loss - reference[0]) for loss in reference) / reference[0]
+    assert moved > 25 * TOLERANCE, f"training barely moved: {reference} ({moved:.2e} relative)"
 
 
 RESUME = [
