@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
@@ -201,7 +202,9 @@ def generate_ids(job: Job, ended: Optional[Ended] = None) -> Optional[List[List[
     controller = _controller_class()(_wrapped_model(model, cfg, batch, longest), _IdsOnly(job.termination_id))
     controller.ended = ended
     controller.sampling_rng.manual_seed(job.sampling.seed)
-    engine = StaticInferenceEngine(controller, max_batch_size=batch, random_seed=job.sampling.seed, legacy=True)
+    with warnings.catch_warnings():  # chosen on purpose: its static batch and KV cache are what generate needs
+        warnings.filterwarnings("ignore", message="The static engine will be deprecated", category=UserWarning)
+        engine = StaticInferenceEngine(controller, max_batch_size=batch, random_seed=job.sampling.seed, legacy=True)
     params = _sampling_params(job.sampling)
     requests = [
         InferenceRequest(request_id=str(i), prompt="", prompt_tokens=list(ids), sampling_params=params)
