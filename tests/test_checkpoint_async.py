@@ -61,7 +61,7 @@ def _async_and_sync(tmp: str):
     saves.poll()  # every rank's writer is done by now or soon: completes it, or leaves it for wait()
     saves.wait("in the test")
     return {"released": released_while_writing, "steps_beside_the_write": beside, "complete": ck.is_complete(final),
-            "latest": ck.latest(async_root).name, "blocked_s": saves.blocked_s}
+            "latest": ck.latest(async_root).name}
 
 
 def _tensors(path: str):

@@ -9,8 +9,8 @@ the rename from the staging name, the tracker, retention. So ``latest`` moves on
 write, and a write that failed (or a rank killed mid-write) leaves the previous checkpoint the latest.
 
 The trainer polls once per step (a one-integer all-reduce, as Megatron-LM's ``maybe_finalize_async_save``)
-and waits before the next save, before a preemption requeue and before it exits. The seconds the loop
-spends in ``save`` and waiting are counted: the cost async saving did not hide.
+and waits before the next save, before a preemption requeue and before it exits (the trainer counts the
+seconds it spent in saves and waits, the cost async saving did not hide; each save's own line says its share).
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ class BackgroundSaves:
     def __init__(self) -> None:
         self.queue = None
         self.inflight: Optional[InFlight] = None
-        self.blocked_s = 0.0  # over the whole run: starting saves + waiting for them
         self.finished = 0
 
     def _queue(self):
@@ -69,7 +68,6 @@ class BackgroundSaves:
         self._queue().schedule_async_request(request)
         total = int(collectives.all_reduce_values([local_bytes], op="sum")[0])
         blocked = time.perf_counter() - began
-        self.blocked_s += blocked
         self.inflight = InFlight(step, store.staging_dir(root, step), store.iter_dir(root, step), root, total,
                                  time.perf_counter(), blocked)
         _say(f"checkpoint save started: step {step} -> {self.inflight.final} ({total / 2**20:.1f} MiB from all ranks, "
@@ -94,10 +92,8 @@ class BackgroundSaves:
             done = self._queue().maybe_finalize_async_calls(blocking=blocking)
         except BaseException as exc:  # noqa: B902 - torch DCP's CheckpointException is a BaseException
             self.inflight = None
-            self.blocked_s += time.perf_counter() - began
             raise _failed(job, exc) from None
         waited = time.perf_counter() - began
-        self.blocked_s += waited
         if not done:
             return None
         self.inflight, self.finished = None, self.finished + 1
