@@ -1,7 +1,7 @@
 """Checkpoints: the one owner of what a checkpoint holds, where it lives, and what a run starts from.
 
 ``training/``, ``convert/``, ``peft/``, ``check/`` and ``report/`` use only the names below; the modules
-behind them are private (tests/test_checkpoint_boundary.py enforces it):
+behind them are private (tests/test_package_imports.py enforces it):
 
 - ``_files``      the on-disk layout: iteration folders, completion marker, tracker, retention, meta.json
 - ``_identity``   what a checkpoint is *of*: model fingerprint and the layout it was saved with
