@@ -39,8 +39,17 @@ def _one_rank(tmp: str):
     adam.train(1, 1)
     ck.save(ck.checkpoints_root(adam_cfg), 1, adam.model, adam.optimizer, adam.scheduler, {"step": 1},
                        adam_cfg, keep_last=1)
+    plain_cfg = cs.tiny_cfg(str(tmp / "plain"), extra=["optimizer.use_distributed_optimizer=false"])
+    plain = cs.Trainer(plain_cfg)
+    plain.train(1, 1)
+    ck.save(ck.checkpoints_root(plain_cfg), 1, plain.model, plain.optimizer, plain.scheduler, {"step": 1}, plain_cfg,
+            keep_last=1)
     for name, (load_root, trainer) in {"adam_into_sgd": (ck.checkpoints_root(adam_cfg), cs.Trainer(cfg)),
-                                       "sgd_into_adam": (root, cs.Trainer(adam_cfg))}.items():
+                                       "sgd_into_adam": (root, cs.Trainer(adam_cfg)),
+                                       # before: KeyError 'pre_wd_mult' from megatron-core, halfway through
+                                       "distributed_into_plain": (ck.checkpoints_root(adam_cfg), cs.Trainer(plain_cfg)),
+                                       "plain_into_distributed": (ck.checkpoints_root(plain_cfg), cs.Trainer(adam_cfg)),
+                                       }.items():
         try:
             ck.load(load_root, trainer.model, trainer.optimizer, trainer.scheduler, cfg=trainer.cfg)
             out[name] = "loaded"
@@ -58,3 +67,7 @@ def test_sgd_resumes_and_optimizer_switch_is_refused(tmp_path):
     assert "holds adam optimizer state, but this run uses optimizer.name=sgd" in out["adam_into_sgd"]
     assert "holds sgd optimizer state, but this run uses optimizer.name=adam" in out["sgd_into_adam"]
     assert "checkpoint.pretrained=" in out["adam_into_sgd"]
+    assert "holds distributed optimizer state, but this run uses optimizer.use_distributed_optimizer=false" in out[
+        "distributed_into_plain"]
+    assert "holds non-distributed optimizer state" in out["plain_into_distributed"]
+    assert "fix: resume with optimizer.use_distributed_optimizer=true" in out["distributed_into_plain"]

@@ -64,7 +64,10 @@ def test_jsonl_exact_via_cli(tmp_path, tok_dir, texts, capsys):
     assert read_back(str(tmp_path / "out/c")) == want
     assert summary["documents"] == len(want) == len(texts) - 1 and summary["empty"] == 1
     assert summary["tokens"] == sum(map(len, want)) and summary["bytes"] == 2 * summary["tokens"]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["c.bin", "c.idx"]  # no scratch left
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["c.bin", "c.idx", "c.stats.json"]  # no scratch left
+    stats = json.loads((tmp_path / "out" / "c.stats.json").read_text())  # what training checks against the vocab
+    assert stats["max_token_id"] == summary["max_token_id"] == max(max(doc) for doc in want)
+    assert stats["tokens"] == summary["tokens"] and stats["bin_size"] == summary["bytes"]
 
 
 def test_parquet_csv_and_globs_in_order(tmp_path, tok_dir, texts):
@@ -155,7 +158,7 @@ def test_failed_run_keeps_previous_output_intact(tmp_path, tok_dir, texts, monke
     write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
     prefix = str(tmp_path / "out")
     preprocess(str(tmp_path / "in.jsonl"), prefix, tok_dir, workers=1, batch_bytes=4096, show_progress=False)
-    before = {e: Path(prefix + e).read_bytes() for e in (".bin", ".idx")}
+    before = {e: Path(prefix + e).read_bytes() for e in (".bin", ".idx", ".stats.json")}
     from megatron_recipes.data.idx_writer import IndexedWriter
 
     calls = {"n": 0}
@@ -172,8 +175,8 @@ def test_failed_run_keeps_previous_output_intact(tmp_path, tok_dir, texts, monke
         preprocess(str(tmp_path / "in.jsonl"), prefix, tok_dir, workers=1, batch_bytes=4096, overwrite=True,
                    show_progress=False)
     assert calls["n"] > 5
-    assert {e: Path(prefix + e).read_bytes() for e in (".bin", ".idx")} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.bin", "out.idx"]
+    assert {e: Path(prefix + e).read_bytes() for e in (".bin", ".idx", ".stats.json")} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.bin", "out.idx", "out.stats.json"]
 
 
 _SLOW_RUN = """
@@ -205,7 +208,7 @@ def test_killed_run_leaves_nothing_that_looks_complete(tmp_path, tok_dir, texts)
     leftovers = list((tmp_path / "out").iterdir())
     assert leftovers and all(p.name.startswith(("c.bin.tmp-", "c.idx.tmp-")) for p in leftovers)
     preprocess(str(tmp_path / "in.jsonl"), prefix, tok_dir, workers=1, show_progress=False)  # next run cleans up
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["c.bin", "c.idx"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["c.bin", "c.idx", "c.stats.json"]
     assert read_back(prefix) == expected_stream(tok_dir, texts[:20])
 
 

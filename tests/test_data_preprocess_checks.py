@@ -49,7 +49,7 @@ def test_writer_is_byte_identical_to_megatron_core_builder(tmp_path, dtype):
     assert all(DTYPE_CODES[t] == DType.code_from_dtype(t) for t in DTYPE_CODES)
     for vocab in (256, 8192, 65499, 65500, 70000, 200000):
         assert optimal_dtype(vocab) is DType.optimal_dtype(vocab) and token_dtype(vocab) is DType.optimal_dtype(vocab)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ours.bin", "ours.idx", "ref.bin", "ref.idx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ours.bin", "ours.idx", "ours.stats.json", "ref.bin", "ref.idx"]
 
 
 _IMPORTS = """

@@ -229,3 +229,26 @@ def test_sft_errors(cache_root, tok, tmp_path):
     write_jsonl(tmp_path / "long.jsonl", [{"input": "x " * 2000, "output": "y"}])
     with pytest.raises(RecipeError, match="no SFT sample is left"):
         build_sft_datasets(_cfg(cache_root, tmp_path / "long.jsonl", "data.overlong_policy=drop"), tok)
+
+
+def test_a_turn_with_weight_0_is_not_trained_and_empty_answers_are_counted(cache_root, tok, tmp_path):
+    # Before: a per-turn weight 0 was ignored (the turn trained) and empty answers trained as "answer = end of
+    # turn" with no count anywhere (issue 30, case 12).
+    turns = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "kept answer"},
+             {"role": "user", "content": "second"}, {"role": "assistant", "content": "skipped answer", "weight": 0}]
+    messages = to_messages({"messages": turns}, "x:1")
+    renderer = ChatRenderer(tok.hf, template_text("chatml"))
+    (sample,) = renderer.tokenize([("x:1", messages)])
+    assert tok.hf.decode(sample.ids[sample.mask].tolist()) == "kept answer<|im_end|>\n"
+    unweighted = [{k: v for k, v in t.items() if k != "weight"} for t in turns]
+    (both,) = renderer.tokenize([("x:1", to_messages({"messages": unweighted}, "x:1"))])
+    assert both.mask.sum() > sample.mask.sum()  # the same conversation without the weight trains both answers
+    for index, weight, message in ((3, 2, "has weight 2"), (3, True, "has weight True"), (0, 0, r"\(user\) has a weight")):
+        bad = [dict(t, weight=weight) if i == index else t for i, t in enumerate(turns)]
+        with pytest.raises(RecipeError, match=message):
+            to_messages({"messages": bad}, "x:1")
+    path = tmp_path / "train.jsonl"
+    write_jsonl(path, [{"messages": turns}, {"input": "q", "output": ""}, {"input": "q2", "output": "a"}])
+    _, _, _, summaries = build_sft_datasets(_cfg(cache_root, path), tok)
+    s = summaries["train"]
+    assert (s.empty_answers, s.weight_0_turns, s.samples) == (1, 1, 3)

@@ -59,6 +59,8 @@ def test_plus_still_adds_to_dict_fields():
     ("model.rope_scaling.factor=2", "which is null in recipe"),
     ("model.family=gpt9", "[model.family]"),
     ("optimizer.lr=inf", "[values.finite]"),
+    ("data.split='949,50,inf'", "[data.split]"),  # was accepted and became [0.95, 0.05, 0.0] (issue 30, case 12)
+    ("data.split='nan,50,1'", "[data.split]"),
 ])
 def test_bad_values_are_refused(override, expected):
     assert expected in _refused(TINY, [override])

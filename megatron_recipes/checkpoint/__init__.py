@@ -12,6 +12,7 @@ behind them are private (tests/test_package_imports.py enforces it):
 - ``_save_load``  one checkpoint saved or loaded collectively, in any layout
 - ``_async``      saves written in the background (checkpoint.async_save), one in flight at a time
 - ``_start``      what a training run starts from (resume, pretrained/base/seed weights)
+- ``_run_identity`` what a resume must match beyond the model (tokenizer, PEFT and its base, data)
 
 The folder-level names import no torch (``megatron-recipes report`` reads checkpoint folders); the rest
 load on first use.
@@ -37,6 +38,7 @@ from megatron_recipes.checkpoint._files import (
 from megatron_recipes.checkpoint._files import resolve_dir as resolve
 from megatron_recipes.checkpoint._identity import check_same_model
 from megatron_recipes.checkpoint._formats import choose as optimizer_format_for
+from megatron_recipes.checkpoint._run_identity import run_identity
 
 if TYPE_CHECKING:
     from megatron_recipes.checkpoint._adapters import AdapterModule
@@ -111,6 +113,7 @@ __all__ = [
     "resolve",
     "restricted_loading",
     "root_cause",
+    "run_identity",
     "save",
     "start_of",
     "step_of",

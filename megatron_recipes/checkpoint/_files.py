@@ -81,7 +81,11 @@ def read_meta(ckpt_dir: Path) -> Dict[str, Any]:
             f"'{meta_path}' is not a megatron-recipes checkpoint description",
             fix="point at a folder written by megatron-recipes (train or convert)",
         )
-    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+    version = meta.get("format_version", 0)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise RecipeError(f"'{meta_path}' has format_version {version!r}, not a whole number",
+                          fix="the checkpoint's meta.json is damaged; use another checkpoint")
+    if version > FORMAT_VERSION:
         raise RecipeError(
             f"'{ckpt_dir}' uses checkpoint format version {meta['format_version']}, newer than this "
             f"megatron-recipes understands ({FORMAT_VERSION})",
@@ -165,6 +169,16 @@ def complete_checkpoints(root: Path) -> List[Tuple[int, Path]]:
     return sorted(found)
 
 
+def require_folder_or_nothing(root: Path) -> None:
+    """A checkpoints root is a folder or not there yet; a file, a broken link or a link loop is an error."""
+    if root.is_symlink() and not root.exists():
+        raise RecipeError(f"checkpoints folder '{root}' is a symbolic link to nothing (broken, or a loop)",
+                          fix="remove the link, or point it at a folder")
+    if root.exists() and not root.is_dir():
+        raise RecipeError(f"checkpoints folder '{root}' is a file, not a folder",
+                          fix="move the file away, or set run.dir to another folder")
+
+
 def latest(where: Union[RunConfig, Path]) -> Optional[Path]:
     """The checkpoint a run (its ``RunConfig``) or a checkpoints folder continues from, or None: the tracker's.
 
@@ -176,6 +190,7 @@ def latest(where: Union[RunConfig, Path]) -> Optional[Path]:
     save are never candidates; a save killed between the rename and the tracker update is trained again.
     """
     root = checkpoints_root(where) if isinstance(where, RunConfig) else Path(where).expanduser()
+    require_folder_or_nothing(root)
     complete = complete_checkpoints(root)
     tracked = read_tracker(root)
     by_step = dict(complete)
@@ -213,8 +228,14 @@ def record_resume(root: Path, step: int) -> bool:
 def resolve_dir(path: Path) -> Path:
     """A checkpoint folder from either the folder itself or a checkpoints root holding complete ones."""
     path = Path(path).expanduser()
+    if path.is_symlink() and not path.exists():
+        raise RecipeError(f"checkpoint path '{path}' is a symbolic link to nothing (broken, or a loop)",
+                          fix="point at the checkpoint folder itself")
     if not path.exists():
         raise RecipeError(f"checkpoint path '{path}' does not exist", fix="check the path (nothing was loaded)")
+    if not path.is_dir():
+        raise RecipeError(f"checkpoint path '{path}' is a file, not a checkpoint folder",
+                          fix="point at an iter_NNNNNNN folder, or at a checkpoints folder to use its latest complete one")
     if (path / META).exists() or step_of(path) is not None or path.name.endswith(STAGING_SUFFIX):
         found = problems(path)
         if found:

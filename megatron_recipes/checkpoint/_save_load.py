@@ -28,6 +28,7 @@ from megatron_recipes.checkpoint import _formats as formats
 from megatron_recipes.checkpoint import _fsdp as fsdp_ckpt
 from megatron_recipes.checkpoint import _identity as identity
 from megatron_recipes.checkpoint import _mcore as io
+from megatron_recipes.checkpoint import _run_identity as run_identity
 from megatron_recipes.checkpoint._async import BackgroundSaves
 from megatron_recipes.checkpoint._trust import restricted_loading
 from megatron_recipes.config.errors import RecipeError
@@ -110,11 +111,24 @@ def _runtime_layout(cfg: Optional[RunConfig]) -> Dict[str, Any]:
     }
 
 
+def _check_same_sharding(ckpt: Path, saved: bool, now: bool) -> None:
+    """A distributed optimizer's sharded state and a plain optimizer's are different structures (megatron-core
+    fails with KeyError 'pre_wd_mult' halfway through the load)."""
+    if saved != now:
+        raise RecipeError(
+            f"checkpoint '{ckpt}' holds {'distributed' if saved else 'non-distributed'} optimizer state, but this "
+            f"run uses optimizer.use_distributed_optimizer={str(now).lower()}; one cannot be resumed as the other",
+            fix=f"resume with optimizer.use_distributed_optimizer={str(saved).lower()}, or start from its weights "
+            f"with checkpoint.pretrained={ckpt} checkpoint.load=none (the optimizer restarts)",
+        )
+
+
 # --- save ---
 
 
-def _meta(step: int, cfg: RunConfig, n_chunks: int, optimizer, scheduler, fmt: Optional[str]) -> Dict[str, Any]:
-    return {
+def _meta(step: int, cfg: RunConfig, n_chunks: int, optimizer, scheduler, fmt: Optional[str],
+          record: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    meta = {
         "format": store.FORMAT,
         "format_version": store.FORMAT_VERSION,
         "complete": True,
@@ -137,6 +151,9 @@ def _meta(step: int, cfg: RunConfig, n_chunks: int, optimizer, scheduler, fmt: O
         "megatron_core_version": io.megatron_core_version(),
         "torch_version": torch.__version__,
     }
+    if record is not None:  # what a resume must match (_run_identity): tokenizer, PEFT and its base, data
+        meta[run_identity.KEY] = record
+    return meta
 
 
 def _finish(root: Path, step: int, meta: Dict[str, Any], cfg: RunConfig, keep_last: int) -> Path:
@@ -165,6 +182,7 @@ def save(
     cfg: RunConfig,
     keep_last: int,
     background: Optional[BackgroundSaves] = None,
+    record: Optional[Dict[str, Any]] = None,
 ) -> Path:
     """Save ``root/iter_{step:07d}`` and return it once complete (tracker updated, old ones pruned).
 
@@ -174,7 +192,8 @@ def save(
     ``optimizer=None`` (with ``scheduler=None``) writes a weights-only checkpoint, e.g. a conversion.
     ``state`` holds the loop's global counters (step, consumed samples, data position): plain values or
     tensors, equal on every rank (rank 0's copy is stored). Each rank's RNG streams are saved separately.
-    ``keep_last`` K > 0 keeps the newest K complete checkpoints; 0 keeps all.
+    ``keep_last`` K > 0 keeps the newest K complete checkpoints; 0 keeps all. ``record`` is the run's
+    identity a resume must match (``_run_identity.run_identity``), stored in meta.json.
     """
     _require_dist()
     if step < 0:
@@ -201,7 +220,7 @@ def save(
         sharded[io.RNG_KEY] = io.rng_object(io.capture_rng())
         sharded["state"] = dict(state)
     if background is not None and not fsdp:
-        meta = _meta(step, cfg, len(model_chunks), optimizer, scheduler, fmt)
+        meta = _meta(step, cfg, len(model_chunks), optimizer, scheduler, fmt, record)
         request = io.save_async(sharded, store.staging_dir(root, step), content_metadata=io.content_metadata(metadata))
         finish = lambda: on_rank0("finishing the checkpoint", lambda: _finish(root, step, meta, cfg, keep_last))  # noqa: E731
         background.schedule(request, step, root, io.state_bytes(sharded), began, finish)
@@ -223,7 +242,7 @@ def save(
             "checkpoint; the partial folder has been removed",
         ) from None
 
-    meta = _meta(step, cfg, len(model_chunks), optimizer, scheduler, fmt)
+    meta = _meta(step, cfg, len(model_chunks), optimizer, scheduler, fmt, record)
     if fsdp:  # [FSDP hook]
         meta["backend"] = fsdp_ckpt.BACKEND
     on_rank0("finishing the checkpoint", lambda: _finish(root, step, meta, cfg, keep_last))
@@ -244,7 +263,7 @@ def finish_weights_only(root: Path, step: int, cfg: RunConfig) -> Path:
     """Complete a weights-only checkpoint whose torch_dist files another writer put in
     ``prepare_staging(root, step)`` (the HF importer streams them without a process group):
     config.yaml, meta.json, rename, tracker, exactly as ``save`` finishes. One process."""
-    meta = _meta(step, cfg, 1, None, None, None)
+    meta = _meta(step, cfg, 1, None, None, None, None)
     meta["contents"]["rng"] = False
     return _finish(Path(root), step, meta, cfg, keep_last=0)
 
@@ -324,6 +343,8 @@ def load(
     if fsdp_ckpt.is_fsdp(model_chunks) or fsdp_ckpt.is_fsdp_checkpoint(meta):  # [FSDP hook]
         return fsdp_ckpt.load(ckpt, meta, model_chunks, optimizer, scheduler, now, _trust(cfg))
     fmt = contents.get("optimizer_format") if optimizer is not None else None
+    if optimizer is not None and "optimizer_format" in contents:
+        _check_same_sharding(ckpt, fmt is not None, _is_distributed_optimizer(optimizer))
     if fmt == "dp_reshardable" and identity.model_parallel_changed(saved_layout, now):
         raise RecipeError(
             f"checkpoint '{ckpt}' stores its optimizer as dp_reshardable, which resumes only with the same "

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from megatron_recipes.checkpoint import _files as store
-from megatron_recipes.checkpoint import _save_load
+from megatron_recipes.checkpoint import _run_identity, _save_load
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
 
@@ -67,6 +67,21 @@ class Start:
     resume_from: Optional[Path]
     weights: Optional[Path]
     note: str = ""  # the log line once the weights are in
+
+    def check_identity(self, identity: Dict[str, Any]) -> None:
+        """Before any tensor is read: the resumed checkpoint's record (tokenizer, PEFT and its base, data)
+        must be this start's; the settings a segment may change are listed on rank 0."""
+        if self.resume_from is None:
+            return
+        _run_identity.check_resume(self.resume_from, store.read_meta(self.resume_from), identity, self.cfg)
+        if torch.distributed.get_rank() == 0:
+            for line in _run_identity.describe_changes(self.resume_from, self.cfg):
+                print(line, flush=True)
+            if self.cfg.checkpoint.accept_new_data and _run_identity.problems(
+                store.read_meta(self.resume_from).get(_run_identity.KEY) or {}, identity, accept_new_data=False
+            ):
+                print("checkpoint.accept_new_data=true: this segment trains on other data than the checkpoint's; "
+                      "the optimizer state and the sample count carry over", flush=True)
 
     def load_weights(self, chunks: List[torch.nn.Module]) -> None:
         """Into the bare GPTModel chunks, before PEFT and wrapping; a missing path is an error, never a

@@ -243,6 +243,9 @@ class CheckpointConfig:
     # Loading unpickles only what a checkpoint needs (tensors, plain values, the index records); true lifts
     # that for checkpoints you made or trust, whose pickled objects may then run code (SECURITY.md).
     trust_code: bool = False
+    # A resume refuses other data than the checkpoint's (its consumed_samples would index other samples);
+    # true accepts it for a new data phase that keeps the optimizer state (the log says so).
+    accept_new_data: bool = False
 
 
 @dataclass

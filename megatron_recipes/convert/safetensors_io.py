@@ -110,7 +110,22 @@ def shard_files(folder: Path) -> List[Path]:
     """The weight files of a HF folder: the index's shards, or the single ``model.safetensors``."""
     index = folder / INDEX_NAME
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        except (ValueError, AttributeError) as exc:
+            raise RecipeError(f"{index} is not a safetensors index ({exc})", fix="restore the model's index file") from None
+        if not isinstance(weight_map, dict):
+            raise RecipeError(f"{index}: weight_map is not an object", fix="restore the model's index file")
+        # A shard is named, never a path: an entry such as ../outside/x.safetensors would make the conversion
+        # read a file outside the model folder (the shard itself may be a link, as the HF hub cache makes them).
+        outside = sorted({str(f) for f in weight_map.values()
+                          if not isinstance(f, str) or f in ("", ".", "..") or "/" in f or "\\" in f or f != Path(f).name})
+        if outside:
+            raise RecipeError(
+                f"{index} names shard(s) outside {folder}: {', '.join(outside[:5])}; a shard is a file name in the "
+                "model folder, never a path",
+                fix="restore the model's index file (HF writes bare shard file names)",
+            )
         files = sorted({folder / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:

@@ -7,7 +7,7 @@ that saves ``consumed_samples`` in its checkpoint gets bit-identical batches aft
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional
 
 import torch
 from torch.utils.data import DataLoader, Sampler
@@ -85,7 +85,9 @@ class MicroBatches:
         consumed_samples: int = 0,
         num_workers: int = 0,
         cycle: bool = False,
+        vocab_size: Optional[int] = None,
     ) -> None:
+        self.vocab_size = vocab_size
         self.sampler = GlobalOrderSampler(len(dataset), micro_batch_size, dp_rank, dp_size, consumed_samples, cycle)
         self.consumed_samples = consumed_samples
         self._step = micro_batch_size * dp_size
@@ -104,12 +106,34 @@ class MicroBatches:
 
     def __next__(self) -> Dict[str, torch.Tensor]:
         batch = next(self._it)
+        if self.vocab_size is not None:
+            check_token_ids(batch, self.vocab_size, self.consumed_samples)
         self.consumed_samples += self._step
         return batch
 
 
+def check_token_ids(batch: Dict[str, torch.Tensor], vocab_size: int, first_sample: int) -> None:
+    """Every id must name a row of the model's vocabulary. Beyond it, TP=1 crashes in the embedding while
+    TP>1 trains silently wrong (the vocab-parallel embedding zeroes ids outside every rank's range, the
+    vocab-parallel loss ignores such labels). Checked on the host copy: one max per micro-batch, no sync."""
+    for key in ("tokens", "labels"):
+        ids = batch[key]
+        top = int(ids.max()) if ids.numel() else -1
+        if top >= vocab_size:
+            count = int((ids >= vocab_size).sum())
+            raise RecipeError(
+                f"the data holds token id {top} (and {count} id(s) >= {vocab_size} in the {key} of the micro-batch "
+                f"after sample {first_sample}), but model.vocab_size={vocab_size}: those tokens are not in the "
+                "model's vocabulary",
+                fix="preprocess the data with the tokenizer the model was built for (data.tokenizer), or set "
+                "model.vocab_size to that tokenizer's vocabulary",
+            )
+
+
 def micro_batches(
-    dataset, micro_batch_size: int, dp_rank: int, dp_size: int, consumed_samples: int = 0, num_workers: int = 0, cycle: bool = False
+    dataset, micro_batch_size: int, dp_rank: int, dp_size: int, consumed_samples: int = 0, num_workers: int = 0,
+    cycle: bool = False, vocab_size: Optional[int] = None,
 ) -> MicroBatches:
-    """Deterministic micro-batches for DP rank ``dp_rank`` of ``dp_size``, starting after ``consumed_samples``."""
-    return MicroBatches(dataset, micro_batch_size, dp_rank, dp_size, consumed_samples, num_workers, cycle)
+    """Deterministic micro-batches for DP rank ``dp_rank`` of ``dp_size``, starting after ``consumed_samples``;
+    with ``vocab_size``, a batch holding an id outside the vocabulary is an error."""
+    return MicroBatches(dataset, micro_batch_size, dp_rank, dp_size, consumed_samples, num_workers, cycle, vocab_size)

@@ -11,6 +11,7 @@ into place only when complete, so an interrupted run never leaves a pair that lo
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import struct
 from typing import Type
@@ -24,6 +25,9 @@ VERSION = 1
 # megatron.core.datasets.indexed_dataset.DType codes (checked against it in the tests)
 DTYPE_CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.float64: 6, np.float32: 7, np.uint16: 8}
 _REQUESTABLE = {"uint16": np.uint16, "int32": np.int32, "int64": np.int64}
+# <prefix>.stats.json beside the pair: what training checks before reading a token (the largest id must fit
+# the model's vocabulary); megatron-core never reads it
+STATS_SUFFIX = ".stats.json"
 
 
 def optimal_dtype(vocab_size: int) -> Type[np.number]:
@@ -59,6 +63,7 @@ class IndexedWriter:
         self._lengths = []  # one int32 array per batch
         self.documents = 0
         self.tokens = 0
+        self.max_token_id = -1
 
     def add_batch(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """``tokens``: the documents' ids back to back (already in ``dtype``); ``lengths``: each > 0."""
@@ -68,6 +73,8 @@ class IndexedWriter:
         self._lengths.append(np.asarray(lengths, dtype=np.int32))
         self.documents += len(lengths)
         self.tokens += int(tokens.size)
+        if tokens.size:
+            self.max_token_id = max(self.max_token_id, int(tokens.max()))
 
     def commit(self) -> None:
         """Write the index, flush both files to disk, then rename ``.bin`` and finally ``.idx`` into place."""
@@ -85,10 +92,12 @@ class IndexedWriter:
             os.fsync(idx.fileno())
         os.fsync(self._bin.fileno())
         self._bin.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.prefix + ".idx")  # never a new .bin next to the old .idx under the final names
+        for stale in (".idx", STATS_SUFFIX):  # never a new .bin next to the old .idx (or stats) under the final names
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.prefix + stale)
         os.replace(self.tmp_bin, self.prefix + ".bin")
         os.replace(self.tmp_idx, self.prefix + ".idx")
+        write_stats(self.prefix, self.max_token_id, self.tokens, self.documents)
 
     def discard(self) -> None:
         if not self._bin.closed:
@@ -96,6 +105,27 @@ class IndexedWriter:
         for path in (self.tmp_bin, self.tmp_idx):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
+
+
+def write_stats(prefix: str, max_token_id: int, tokens: int, documents: int) -> None:
+    """``<prefix>.stats.json`` for a published pair (its .bin size ties the record to that file)."""
+    from megatron_recipes import files
+
+    record = {"max_token_id": int(max_token_id), "tokens": int(tokens), "documents": int(documents),
+              "bin_size": os.path.getsize(prefix + ".bin")}
+    files.write_text(prefix + STATS_SUFFIX, json.dumps(record, sort_keys=True) + "\n")
+
+
+def read_stats(prefix: str) -> dict:
+    """The stats record of ``prefix`` when it is there and describes the current .bin, else {}."""
+    try:
+        with open(prefix + STATS_SUFFIX, encoding="utf-8") as handle:
+            record = json.load(handle)
+        if isinstance(record, dict) and record.get("bin_size") == os.path.getsize(prefix + ".bin"):
+            return record
+    except (OSError, ValueError):
+        pass
+    return {}
 
 
 @contextlib.contextmanager

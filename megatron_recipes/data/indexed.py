@@ -12,7 +12,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Type
+from typing import Optional, Type
 
 import numpy as np
 
@@ -31,6 +31,7 @@ class IndexedInfo:
     num_documents: int
     num_tokens: int
     dtype: Type[np.number]
+    max_token_id: Optional[int] = None  # from <prefix>.stats.json (data preprocess writes it), when present
 
 
 def _redo(prefix: str) -> str:
@@ -81,7 +82,22 @@ def check_indexed_prefix(prefix: str) -> IndexedInfo:
         )
     if n_doc < 1:
         raise RecipeError(f"{idx}: no document boundaries", fix=_redo(prefix))
-    return IndexedInfo(prefix, int(n_seq), int(n_doc) - 1, num_tokens, dtype)
+    from megatron_recipes.data.idx_writer import read_stats
+
+    top = read_stats(prefix).get("max_token_id")
+    return IndexedInfo(prefix, int(n_seq), int(n_doc) - 1, num_tokens, dtype, top if isinstance(top, int) else None)
+
+
+def check_fits_vocab(info: IndexedInfo, vocab_size: int) -> None:
+    """Refuse, before any rank starts, a dataset whose recorded largest id is outside the model's vocabulary
+    (the trainer also checks every micro-batch: datasets written without a stats record)."""
+    if info.max_token_id is not None and info.max_token_id >= vocab_size:
+        raise RecipeError(
+            f"indexed dataset '{info.prefix}' holds token ids up to {info.max_token_id} ({info.prefix}.stats.json), "
+            f"but model.vocab_size={vocab_size}: it was tokenized for a larger vocabulary",
+            fix="preprocess it with the model's tokenizer (data.tokenizer), or use a model whose vocab_size "
+            f"is above {info.max_token_id}",
+        )
 
 
 _FINGERPRINTS: dict = {}

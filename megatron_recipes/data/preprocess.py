@@ -22,13 +22,13 @@ import time
 from dataclasses import asdict, dataclass
 from itertools import chain
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from megatron_recipes import files
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.data.idx_writer import indexed_writer, token_dtype
+from megatron_recipes.data.idx_writer import STATS_SUFFIX, indexed_writer, token_dtype
 
 
 @dataclass
@@ -42,6 +42,8 @@ class PreprocessSummary:
     bytes: int  # size of the .bin
     seconds: float
     tokenizer_via: str = "tokenizer.json"  # how the tokenizer was loaded (fast_tokenizer)
+    max_token_id: int = -1  # recorded in <prefix>.stats.json: training checks it against model.vocab_size
+    invalid_unicode: int = 0  # documents whose lone surrogates were replaced by U+FFFD (counted, not hidden)
 
     @property
     def docs_per_s(self) -> float:
@@ -89,6 +91,8 @@ def check_output_prefix(output_prefix: str, overwrite: bool) -> None:
             "index caches built from it would see different data",
             fix="pass --overwrite to replace it, or choose another output_prefix",
         )
+    if existing and os.path.lexists(output_prefix + STATS_SUFFIX):
+        existing.append(output_prefix + STATS_SUFFIX)
     for path in existing:  # --overwrite replaces regular files only (files.py's rule), never a link or a device
         files.require_replaceable(path)
     folder = Path(output_prefix).parent
@@ -145,6 +149,20 @@ def _set_threads(workers: int) -> None:
     os.environ.setdefault("RAYON_NUM_THREADS", str(workers))
 
 
+def replace_lone_surrogates(texts: List[str]) -> Tuple[List[str], int]:
+    """Each text with its unpaired UTF-16 surrogates replaced by U+FFFD, and how many texts had one. A corpus
+    of billions of documents is not failed for one bad escape; the summary counts them."""
+    out, fixed = [], 0
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            fixed += 1
+        out.append(text)
+    return out, fixed
+
+
 def _to_array(encodings, eod: Optional[int], dtype) -> tuple:
     """One batch's ids back to back (+EOD per non-empty document) and each document's length."""
     ids = [e.ids for e in encodings]
@@ -192,7 +210,7 @@ def preprocess(
     eod = tok.eod if append_eod else None
     remove_stale_temporaries(output_prefix)
     encode = tok.backend.encode_batch_fast if workers > 1 else (lambda texts, **kw: [tok.backend.encode(t, **kw) for t in texts])
-    rows = missing = empty = 0
+    rows = missing = empty = invalid = 0
     bar = Progress("preprocess", total=plain_input_bytes(input_spec), unit="B", items_unit="documents",
                    enabled=show_progress)
     with bar, indexed_writer(output_prefix, out_dtype) as writer:
@@ -200,7 +218,13 @@ def preprocess(
             rows += batch.rows
             missing += batch.missing
             if batch.texts:
-                flat, lengths, skipped = _to_array(encode(batch.texts, add_special_tokens=add_special_tokens), eod, out_dtype)
+                try:
+                    encodings = encode(batch.texts, add_special_tokens=add_special_tokens)
+                except TypeError:  # a lone surrogate ("\ud800" in JSON) is not text the tokenizer takes
+                    texts, fixed = replace_lone_surrogates(batch.texts)
+                    invalid += fixed
+                    encodings = encode(texts, add_special_tokens=add_special_tokens)
+                flat, lengths, skipped = _to_array(encodings, eod, out_dtype)
                 empty += skipped
                 if len(lengths):
                     writer.add_batch(flat, lengths)
@@ -221,6 +245,8 @@ def preprocess(
         bytes=os.path.getsize(output_prefix + ".bin"),
         seconds=time.perf_counter() - started,
         tokenizer_via=tok.via,
+        max_token_id=writer.max_token_id,
+        invalid_unicode=invalid,
     )
 
 
@@ -235,7 +261,9 @@ def print_summary(summary: PreprocessSummary) -> None:
         ("empty documents (skipped)", f"{summary.empty:,}"),
         ("rows without the text field (skipped)", f"{summary.missing:,}"),
         ("tokenizer loaded via", summary.tokenizer_via),
+        ("documents with lone surrogates (replaced by U+FFFD)", f"{summary.invalid_unicode:,}"),
         ("tokens", f"{summary.tokens:,}"),
+        ("largest token id", f"{summary.max_token_id:,}"),
         (".bin bytes", f"{summary.bytes:,}"),
         ("seconds", f"{summary.seconds:.2f}"),
         ("documents/s", f"{summary.docs_per_s:,.0f}"),

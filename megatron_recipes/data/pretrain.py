@@ -59,8 +59,9 @@ def parse_blend(items: Sequence, where: str) -> Blend:
             fix="give weight/prefix pairs [0.7,/data/a,0.3,/data/b], or only prefixes",
         )
     weights = [number(w) for w in items[0::2]]
-    if any(w <= 0 or math.isnan(w) for w in weights):
-        raise RecipeError(f"{where} has a weight <= 0: {weights}", fix="every weight must be > 0")
+    if any(w <= 0 or not math.isfinite(w) for w in weights):
+        raise RecipeError(f"{where} has a weight that is not a positive finite number: {weights}",
+                          fix="every weight must be a number > 0 (inf and nan are not weights)")
     return [_absolute(p) for p in items[1::2]], weights
 
 

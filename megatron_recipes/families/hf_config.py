@@ -29,13 +29,33 @@ def load_hf_config(hf_dir: Path):
     if not isinstance(raw, dict):
         raise RecipeError(f"{path} holds a JSON {type(raw).__name__}, not an object", fix="restore the model's config.json")
     model_type = raw.get("model_type")
+    _check_sizes(raw, path)
     try:
-        return AutoConfig.from_pretrained(str(hf_dir), trust_remote_code=False, local_files_only=True)
+        hf = AutoConfig.from_pretrained(str(hf_dir), trust_remote_code=False, local_files_only=True)
     except (ValueError, KeyError) as exc:
         raise RecipeError(
             f"{path}: transformers cannot read model_type={model_type!r} without remote code ({exc})",
             fix="convert a model whose architecture transformers ships (see `megatron-recipes convert --help`)",
         ) from None
+    except Exception as exc:  # noqa: BLE001 (transformers' own field validation: a value of the wrong type)
+        raise RecipeError(f"{path}: transformers rejects it: {' '.join(str(exc).split())}",
+                          fix="restore the model's config.json (re-download or re-save it)") from None
+    return hf
+
+
+# Sizes every family divides by or allocates with: each a whole number > 0 when present (a 0 head count
+# was a ZeroDivisionError, a negative hidden size a model that passed every check)
+_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+          "vocab_size", "head_dim", "moe_intermediate_size", "num_local_experts", "num_experts", "n_routed_experts",
+          "num_experts_per_tok", "max_position_embeddings")
+
+
+def _check_sizes(raw: Dict[str, Any], path: Path) -> None:
+    bad = [f"{key}={raw[key]!r}" for key in _SIZES
+           if raw.get(key) is not None and (isinstance(raw[key], bool) or not isinstance(raw[key], int) or raw[key] < 1)]
+    if bad:
+        raise RecipeError(f"{path}: {', '.join(bad)}: each must be a whole number > 0",
+                          fix="restore the model's config.json (re-download or re-save it)")
 
 
 def _get(hf, name: str, default: Any = None) -> Any:

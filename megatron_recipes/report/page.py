@@ -75,7 +75,9 @@ def summary(run: RunData) -> str:
     if times:
         rows.append(("median step time", f"{statistics.median(times) * 1000:.0f} ms"))
     if run.starts:
-        rows.append(("layout", run.starts[-1].get("layout", "?")))
+        layouts = {s.get("layout", "?") for s in run.starts}
+        rows.append(("layout", run.starts[-1].get("layout", "?") if len(layouts) == 1 else "; ".join(
+            f"{s.get('layout', '?')} from step {s.get('start_step', '?')}" for s in run.starts)))
         rows.append(("world size", run.starts[-1].get("world_size", "?")))
     if run.config_error:
         rows.append(("config.yaml", f"could not be read: {run.config_error}"))
@@ -156,10 +158,10 @@ def checkpoints(run: RunData) -> str:
 def restarts(run: RunData) -> str:
     if not run.starts:
         return '<p class="note">no start recorded yet</p>'
-    rows = [(i + 1, s.get("datetime", "?"), s.get("start_step", "?"), s.get("host", "?"), s.get("slurm_job_id") or "-",
-             s.get("slurm_restart_count", "-"))
+    rows = [(i + 1, s.get("datetime", "?"), s.get("start_step", "?"), s.get("layout", "?"), s.get("host", "?"),
+             s.get("slurm_job_id") or "-", s.get("slurm_restart_count", "-"))
             for i, s in enumerate(run.starts)]
-    body = table(rows, ("start", "time", "from step", "host", "Slurm job", "Slurm restart count"))
+    body = table(rows, ("start", "time", "from step", "layout", "host", "Slurm job", "Slurm restart count"))
     resumed = sum(1 for s in run.starts if s.get("start_step", 0))
     body += f"<p>{len(run.starts)} start(s); {resumed} resumed from a checkpoint (after a preemption, a requeue or a stop).</p>"
     if run.preempted:

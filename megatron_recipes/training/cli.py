@@ -126,9 +126,13 @@ def main(argv: List[str]) -> int:
     recipe, cfg = _compose(argv)  # once per process: composition costs seconds of CPU
     if under_launcher():
         return run_rank(recipe, cfg)
-    from megatron_recipes.training.loop import validate
+    from megatron_recipes.training.loop import NothingToTrain, validate
 
-    validate(cfg, recipe)  # report a bad recipe once, before any rank starts
+    try:
+        validate(cfg, recipe)  # report a bad recipe once, before any rank starts
+    except NothingToTrain as done:
+        print(done, flush=True)
+        return 0
     world = derived.world_size(cfg)
     if world == 1:
         return run_rank(recipe, cfg, validated=True)

@@ -9,6 +9,7 @@ Every rank runs the same code; only rank 0 writes the run directory's files othe
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,11 @@ class TrainingDiverged(RecipeError):
     """The loss (or gradient norm) became NaN/Inf; the run stops and keeps its last good checkpoint."""
 
 
+class NothingToTrain(Exception):
+    """The checkpoint a start resumes is already at ``train.train_iters``: the start changes nothing and
+    exits 0 (a requeue of a finished job must succeed, and must not rewrite the finished run's record)."""
+
+
 def validate(cfg: RunConfig, recipe: str) -> None:
     """The recipe rules, what this machine can honour, and the inputs the run will read."""
     from megatron_recipes.validation.validate import validate_or_raise
@@ -50,7 +56,7 @@ def validate(cfg: RunConfig, recipe: str) -> None:
 
 def preflight(cfg: RunConfig) -> None:
     """Inputs a run needs, checked before any rank starts: optimizer mapping, data files, start weights."""
-    from megatron_recipes.data.indexed import check_indexed_prefix
+    from megatron_recipes.data.indexed import check_fits_vocab, check_indexed_prefix
     from megatron_recipes.data.pretrain import resolve_blends
 
     optim.optimizer_config(cfg)
@@ -59,8 +65,10 @@ def preflight(cfg: RunConfig) -> None:
         blend, per_split = resolve_blends(cfg)  # builds (once) or finds the built-in corpus
         for b in [blend, *(per_split or [])]:
             for prefix in (b[0] if b else []):
-                check_indexed_prefix(prefix)
+                check_fits_vocab(check_indexed_prefix(prefix), cfg.model.vocab_size)
     start = checkpoint.start_of(cfg, adapters_only=peft_active(cfg))  # a checkpoint.load path must be complete
+    if start.resume_from is not None and cfg.train.train_iters > 0:  # a seed run (0) has its own check
+        check_steps_left(cfg, start.resume_from)
     if start.weights is not None:  # and so must the weights it starts from
         try:
             checkpoint.resolve(start.weights)
@@ -68,6 +76,28 @@ def preflight(cfg: RunConfig) -> None:
             raise RecipeError(
                 f"checkpoint.pretrained={cfg.checkpoint.pretrained}: {exc.message}", fix=_producer_hint(cfg) or exc.fix
             ) from None
+
+
+def check_steps_left(cfg: RunConfig, resume_from: Path) -> None:
+    """A start that would resume at or past ``train.train_iters`` trains nothing: say so before anything in
+    the run dir is touched (its config.yaml, log and report describe the run as it was trained)."""
+    done = int(checkpoint.read_meta(resume_from).get("step", 0))
+    target = cfg.train.train_iters
+    if done < target:
+        return
+    others = (f"to train from scratch (another layout, another length), give it its own run dir: run.dir=<new "
+              f"folder>; to start from these weights there: checkpoint.pretrained={resume_from}")
+    if done == target:
+        raise NothingToTrain(
+            f"nothing to train: {resume_from} is at step {done} = train.train_iters; the run dir is left as it "
+            f"was (to train on, raise train.train_iters; {others})"
+        )
+    raise RecipeError(
+        f"run.dir={cfg.run.dir} resumes {resume_from} at step {done}, past train.train_iters={target}; training "
+        "would do nothing and the run record would claim the new setting",
+        fix=f"raise train.train_iters above {done} to train on; rewind with checkpoint.load=<an earlier "
+        f"iter_* folder>; or {others}",
+    )
 
 
 def _producer_hint(cfg: RunConfig) -> Optional[str]:
@@ -83,9 +113,16 @@ def _producer_hint(cfg: RunConfig) -> Optional[str]:
     )
 
 
-def write_config(cfg: RunConfig, run_dir: Path) -> None:
-    """The resolved recipe, as ``config.yaml`` (atomic: a reader never sees half of it)."""
-    files.write_text(run_dir / "config.yaml", to_yaml(cfg))
+CONFIGS = "configs"  # run_dir/configs/start_step_NNNNNNN.yaml: the recipe of each start
+
+
+def write_config(cfg: RunConfig, run_dir: Path, start_step: int) -> None:
+    """The resolved recipe, as ``config.yaml`` (the latest start's; atomic: a reader never sees half of it),
+    and kept per start under ``configs/``: a resume may change the layout, the lr or the length, and the
+    record must still say what each segment was trained with."""
+    text = to_yaml(cfg)
+    files.write_text(run_dir / CONFIGS / f"start_step_{start_step:07d}.yaml", text)
+    files.write_text(run_dir / "config.yaml", text)
 
 
 @dataclass
@@ -136,9 +173,18 @@ class Trainer:
     def build(self) -> None:
         from megatron_recipes.models.builder import build_model_chunks
 
+        from megatron_recipes.data.identity import data_identity
+
         self.tokenizer = self.prepare_data_artifacts()
+        adapters_only = peft_active(self.cfg)
+        self.start = checkpoint.start_of(self.cfg, adapters_only=adapters_only)
+        # what every save records and a resume must match (tokenizer, PEFT and its base, data), checked
+        # before any tensor is read
+        self.identity = checkpoint.run_identity(
+            self.cfg, self.tokenizer.unique_identifiers.get("tokenizer_sha"), data_identity(self.cfg), adapters_only
+        )
+        self.start.check_identity(self.identity)
         chunks = build_model_chunks(self.cfg)
-        self.start = checkpoint.start_of(self.cfg, adapters_only=peft_active(self.cfg))
         self.start.load_weights(chunks)  # pretrained, PEFT base or own seed: into the bare chunks, before wrapping
         self.peft = prepare_for_training(self.cfg, chunks)  # PEFT adapters (before DDP)
         self.model = optim.wrap_model(self.cfg, chunks)
@@ -176,7 +222,8 @@ class Trainer:
 
         t = self.cfg.train
         return [
-            micro_batches(dataset, t.micro_batch_size, self.dp_rank, self.dp_size, consumed, self.cfg.data.num_workers)
+            micro_batches(dataset, t.micro_batch_size, self.dp_rank, self.dp_size, consumed, self.cfg.data.num_workers,
+                          vocab_size=self.cfg.model.vocab_size)
             for _ in self.model
         ]
 
@@ -226,7 +273,7 @@ class Trainer:
         self.last_saved = self.step
         self.build_iterators()
         if self.is_logger:
-            write_config(self.cfg, self.run_dir)
+            write_config(self.cfg, self.run_dir, self.step)
             self.sink = sinks.MetricsLog(self.run_dir, self.step, self.cfg)
             self._announce()
         self.preemption.clear_marker()
@@ -379,7 +426,7 @@ class Trainer:
         root = checkpoint.checkpoints_root(self.cfg)
         background = self.background if optimizer is not None else None
         return checkpoint.save(root, step_, model, optimizer, scheduler, state, self.cfg, self.cfg.checkpoint.keep_last,
-                               background=background)
+                               background=background, record=getattr(self, "identity", None))
 
     # ----- output -------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -473,7 +520,12 @@ def run(cfg: RunConfig, recipe: str = "recipe", validated: bool = False) -> int:
     """Train ``cfg`` on this rank (called once per rank, under torchrun or as a single process);
     ``validated``: the caller has just run ``validate`` on this ``cfg`` in this process."""
     if not validated:
-        validate(cfg, recipe)
+        try:
+            validate(cfg, recipe)
+        except NothingToTrain as done:
+            if os.environ.get("RANK", "0") == "0":  # one line per job, not per rank
+                print(done, flush=True)
+            return 0
     runtime = distributed.init_model_parallel(cfg)
     lock = run_lock.RunLock(Path(cfg.run.dir))  # global rank 0 holds it; every rank stops if it is taken
     try:

@@ -92,7 +92,10 @@ def read_log(path: Path) -> List[Dict[str, Any]]:
         if line.startswith("DLLL "):
             line = line[5:]
         if line:
-            records.append(json.loads(line))
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # a line torn by a kill mid-write: not a record
+                continue
     return records
 
 
@@ -102,16 +105,21 @@ def step_records(path: Path) -> List[Dict[str, Any]]:
 
 
 def _line_step(line: str) -> Optional[int]:
-    step = json.loads(line.removeprefix("DLLL ")).get("step")
-    return step if isinstance(step, int) else None
+    """The record's integer step (0 for records without one); None for a line that is not a record."""
+    try:
+        record = json.loads(line.removeprefix("DLLL "))
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else 0
 
 
 def truncate_after(path: Path, step: int) -> None:
-    """Drop step records after ``step`` (a resumed run repeats them); atomic rewrite."""
+    """Drop step records after ``step`` (a resumed run repeats them) and lines torn by a kill; atomic rewrite."""
     if not path.is_file():
         return
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    keep = [line for line in lines if (_line_step(line) or 0) <= step]
+    keep = [line for line in lines if (at := _line_step(line)) is not None and at <= step]
     files.write_text(path, "".join(line + "\n" for line in keep))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, List, Optional
 
 from megatron_recipes.config.schema import RunConfig
@@ -76,7 +78,7 @@ def _blend_format(cfg: RunConfig) -> Optional[str]:
 @rule(
     "data.split",
     ["data.split"],
-    "data.split is three non-negative train,valid,test weights with a positive train share",
+    "data.split is three finite non-negative train,valid,test weights with a positive train share",
     'use data.split="949,50,1"',
 )
 def _split(cfg: RunConfig) -> Optional[str]:
@@ -85,7 +87,7 @@ def _split(cfg: RunConfig) -> Optional[str]:
         values = [float(x) for x in parts]
     except ValueError:
         values = []
-    if len(values) == 3 and min(values) >= 0 and values[0] > 0:
+    if len(values) == 3 and all(math.isfinite(v) for v in values) and min(values) >= 0 and values[0] > 0:
         return None
     return f'data.split="{cfg.data.split}" is not three comma-separated weights like "949,50,1"'
 

@@ -26,7 +26,7 @@ from megatron_recipes.data.sft.packing import assemble_row, first_fit_decreasing
 from megatron_recipes.data.sft.render import ChatRenderer, TokenizedSample
 from megatron_recipes.data.sft.templates import resolve_template
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-turn weight 0 masks the turn; the marker counts empty answers
 _BATCH = 512
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,8 @@ class SFTSummary:
     tokens: int = 0  # input positions holding sample tokens
     loss_tokens: int = 0
     padding: int = 0
+    empty_answers: int = 0  # assistant turns with no text: they teach only the end of turn
+    weight_0_turns: int = 0  # assistant turns kept out of the loss by their weight 0
 
     @property
     def fill(self) -> float:
@@ -51,8 +53,10 @@ class SFTSummary:
         return {**asdict(self), "fill": round(self.fill, 4)}
 
 
-def tokenize_file(path: str, tokenizer, template: str, answer_only: bool, cache_dir: Optional[str]) -> List[TokenizedSample]:
-    """Every conversation of a JSONL file as ids + answer mask (cached, built by one process)."""
+def tokenize_file(path: str, tokenizer, template: str, answer_only: bool,
+                  cache_dir: Optional[str]) -> Tuple[List[TokenizedSample], dict]:
+    """Every conversation of a JSONL file as ids + answer mask (cached, built by one process), and the counts
+    of empty answers and weight-0 turns."""
     stat = os.stat(path) if os.path.isfile(path) else None
     if stat is None:
         raise RecipeError(f"SFT file '{path}' does not exist", fix="set data.sft_path (and data.sft_valid_path) to JSONL files")
@@ -81,11 +85,12 @@ def tokenize_file(path: str, tokenizer, template: str, answer_only: bool, cache_
         np.save(tmp / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]))
         np.save(tmp / "ids.npy", np.concatenate([s.ids for s in samples]) if samples else np.zeros(0, np.int32))
         np.save(tmp / "mask.npy", np.concatenate([s.mask for s in samples]) if samples else np.zeros(0, bool))
-        return {"samples": len(samples), "inputs": key}
+        return {"samples": len(samples), "inputs": key, **renderer.counts}
 
-    cache.build_once(final, build)
+    marker = cache.build_once(final, build)
     offsets, ids, mask = (np.load(final / f"{n}.npy", mmap_mode="r") for n in ("offsets", "ids", "mask"))
-    return [TokenizedSample(ids[a:b], mask[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+    counts = {k: int(marker.get(k, 0)) for k in ("empty_answers", "weight_0_turns")}
+    return [TokenizedSample(ids[a:b], mask[a:b]) for a, b in zip(offsets[:-1], offsets[1:])], counts
 
 
 def fit_to_length(samples: List[TokenizedSample], seq_length: int, policy: str, summary: SFTSummary) -> List[TokenizedSample]:
@@ -158,8 +163,8 @@ def make_rows(samples: List[TokenizedSample], seq_length: int, pad_multiple: int
 def sft_dataset(path: str, cfg: RunConfig, tokenizer, num_samples: Optional[int], seed_offset: int = 0) -> Tuple[SFTDataset, SFTSummary]:
     d = cfg.data
     template = resolve_template(d.chat_template, tokenizer.hf, tokenizer.source)
-    samples = tokenize_file(path, tokenizer, template, d.answer_only_loss, d.cache_dir)
-    summary = SFTSummary()
+    samples, counts = tokenize_file(path, tokenizer, template, d.answer_only_loss, d.cache_dir)
+    summary = SFTSummary(**counts)
     samples = fit_to_length(samples, cfg.train.seq_length, d.overlong_policy, summary)
     pad_multiple = 2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1
     rows = make_rows(samples, cfg.train.seq_length, pad_multiple, d.packing, summary)
@@ -193,9 +198,10 @@ def _announce(summaries: dict) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     for split, s in summaries.items():
-        lossy = s.truncated or s.dropped_overlong or s.dropped_no_answer
+        lossy = s.truncated or s.dropped_overlong or s.dropped_no_answer or s.empty_answers
         (log.warning if lossy else log.info)(
             "SFT %s: %d samples -> %d kept in %d rows (fill %.1f%%, %d loss tokens); truncated %d, dropped %d too long, "
-            "%d without answer tokens",
+            "%d without answer tokens; %d empty answers (trained as an immediate end of turn), %d turns with weight 0",
             split, s.samples, s.kept, s.rows, 100 * s.fill, s.loss_tokens, s.truncated, s.dropped_overlong, s.dropped_no_answer,
+            s.empty_answers, s.weight_0_turns,
         )

@@ -22,6 +22,11 @@ Message = Dict[str, str]
 def _text(value, where: str, field: str) -> str:
     if not isinstance(value, str):
         raise RecipeError(f"{where}: '{field}' must be text, got {type(value).__name__}", fix="fix the record")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON's "\ud800" escape: a lone surrogate no tokenizer can encode
+        raise RecipeError(f"{where}: '{field}' holds a lone UTF-16 surrogate (\\u{ord(value[exc.start]):04x}) at "
+                          f"character {exc.start + 1}, which is not text", fix="fix or drop the record") from None
     return value
 
 
@@ -38,8 +43,22 @@ def _from_chat(turns, where: str, role_key: str, content_key: str, roles: Dict[s
                 f"{where}: turn {i} has unknown role '{role}'",
                 fix=f"use one of {', '.join(roles)} (or map it before training)",
             )
-        messages.append({"role": roles[role], "content": _text(turn[content_key], where, f"turn {i} {content_key}")})
+        message = {"role": roles[role], "content": _text(turn[content_key], where, f"turn {i} {content_key}")}
+        if "weight" in turn:
+            message.update(_weight(turn["weight"], message["role"], where, i))
+        messages.append(message)
     return messages
+
+
+def _weight(value, role: str, where: str, i: int) -> Message:
+    """A turn's ``weight`` (axolotl's and LLaMA-Factory's spelling): 0 keeps an assistant turn out of the loss,
+    1 is the default. Any other value, or a weight on another role, would be silently ignored: refused."""
+    if isinstance(value, bool) or value not in (0, 1):
+        raise RecipeError(f"{where}: turn {i} has weight {value!r}", fix="a turn's weight is 0 (not trained) or 1")
+    if role != "assistant":
+        raise RecipeError(f"{where}: turn {i} ({role}) has a weight, which only assistant turns honour",
+                          fix="remove it: with data.answer_only_loss=true only assistant turns are trained")
+    return {"weight": int(value)} if value == 0 else {}
 
 
 def to_messages(record: dict, where: str) -> List[Message]:

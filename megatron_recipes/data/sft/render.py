@@ -35,6 +35,7 @@ class ChatRenderer:
         self.template = template
         self.answer_only = answer_only
         self._backend = hf_tokenizer.backend_tokenizer
+        self.counts = {"empty_answers": 0, "weight_0_turns": 0}
 
     def _render(self, messages: Sequence[Message], generation_prompt: bool, where: str) -> str:
         try:
@@ -54,7 +55,7 @@ class ChatRenderer:
                 full = self._render(messages[: k + 1], False, where)
                 self._check_prefix(done, prompt, where)
                 self._check_prefix(prompt, full, where)
-                out += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
+                out += [(prompt[len(done) :], False), (full[len(prompt) :], message.get("weight", 1) != 0)]
             else:
                 full = self._render(messages[: k + 1], False, where)
                 self._check_prefix(done, full, where)
@@ -72,7 +73,13 @@ class ChatRenderer:
             )
 
     def tokenize(self, conversations: Sequence[Tuple[str, Sequence[Message]]]) -> List[TokenizedSample]:
-        """Tokenize many conversations; one batched Rust call for all their segments."""
+        """Tokenize many conversations; one batched Rust call for all their segments. ``counts`` adds up the
+        assistant turns that teach only the end of turn (empty answers) and those kept out by weight 0."""
+        for _, messages in conversations:
+            for message in messages:
+                if message["role"] == "assistant":
+                    self.counts["weight_0_turns"] += message.get("weight", 1) == 0
+                    self.counts["empty_answers"] += not message["content"].strip() and message.get("weight", 1) != 0
         pieces = [self.segments(messages, where) for where, messages in conversations]
         flat = [text for segs in pieces for text, _ in segs]
         encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
