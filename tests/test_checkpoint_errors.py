@@ -88,11 +88,24 @@ def _one_rank(tmp: str):
     shard = next(truncated.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
     out["untouched"] = all(torch.equal(a, b) for a, b in zip(snapshot, _params(fresh.model)))
-    # A read error comes after the checks: megatron-core reads into the parameters in place (no second copy
-    # of the model in memory), so the model may be partly overwritten; the error says so.
+    # The recorded sizes and hashes name the damaged file before megatron-core reads into the parameters
     out["truncated"] = _expect_error(
-        lambda: ck.load_weights(truncated, fresh.model, fresh.cfg), "could not be read", "partly loaded"
+        lambda: ck.load_weights(truncated, fresh.model, fresh.cfg), "is damaged", f"{shard.name}: ", "bytes",
+        "nothing was loaded",
     )
+    # 4 KB overwritten in place, the size unchanged (issue 30, case 9): before, it loaded and the run went NaN
+    overwritten = tmp / "overwritten" / "iter_0000004"
+    shutil.copytree(latest, overwritten)
+    shard = max(overwritten.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 4096] = b"\xff" * 4096
+    shard.write_bytes(bytes(data))
+    out["overwritten"] = _expect_error(
+        lambda: ck.load(overwritten, fresh.model), "is damaged", f"{shard.name}: its content changed since the save"
+    )
+    out["still_untouched"] = all(torch.equal(a, b) for a, b in zip(snapshot, _params(fresh.model)))
+    out["verified"] = ck.verify_files(latest)
+    out["recorded"] = sorted(ck.read_meta(latest)["files"])
 
     out["bad_state"] = _expect_error(
         lambda: ck.save(tmp / "bad", 1, t.model, None, None, {"rng": {"n": object()}}, t.cfg, 1),
@@ -130,10 +143,14 @@ def test_weights_only_retention_and_refusals(tmp_path):
         "missing_load",
         "no_index",
         "truncated",
+        "overwritten",
         "bad_state",
         "other_model",
         "other_model_no_cfg",
     ):
         assert out[key] == "ok", f"{key}: {out[key]}"
     assert out["explicit_root"] == "iter_0000004" and out["none"] is None
-    assert out["untouched"] and out["other_untouched"] and out["bad_state_wrote_nothing"]
+    assert out["untouched"] and out["other_untouched"] and out["bad_state_wrote_nothing"] and out["still_untouched"]
+    assert out["verified"] is True  # the intact checkpoint's files are as recorded
+    assert ".metadata" in out["recorded"] and any(n.endswith(".distcp") for n in out["recorded"])
+    assert "meta.json" not in out["recorded"] and "config.yaml" not in out["recorded"]

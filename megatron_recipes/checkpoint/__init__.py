@@ -10,6 +10,7 @@ behind them are private (tests/test_package_imports.py enforces it):
 - ``_adapters``   checkpoints of models with adapters hold the trainable tensors only
 - ``_fsdp``       Megatron-FSDP runs' checkpoints (megatron-core's fsdp_dtensor format), behind save/load
 - ``_save_load``  one checkpoint saved or loaded collectively, in any layout
+- ``_checksums``  every file's size and hash, recorded at save and verified at load
 - ``_async``      saves written in the background (checkpoint.async_save), one in flight at a time
 - ``_start``      what a training run starts from (resume, pretrained/base/seed weights)
 - ``_run_identity`` what a resume must match beyond the model (tokenizer, PEFT and its base, data)
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
         load_weights,
         on_rank0,
         save,
+        verify_files,
         weights_state,
     )
     from megatron_recipes.checkpoint._start import Start, start_of
@@ -66,6 +68,7 @@ _NEEDS_TORCH = {
     "load_weights": "_save_load",
     "on_rank0": "_save_load",
     "save": "_save_load",
+    "verify_files": "_save_load",
     "weights_state": "_save_load",
     "Start": "_start",
     "start_of": "_start",
@@ -117,5 +120,6 @@ __all__ = [
     "save",
     "start_of",
     "step_of",
+    "verify_files",
     "weights_state",
 ]

@@ -23,6 +23,7 @@ import torch
 
 from megatron_recipes import files
 from megatron_recipes.checkpoint import _adapters
+from megatron_recipes.checkpoint import _checksums as checksums
 from megatron_recipes.checkpoint import _files as store
 from megatron_recipes.checkpoint import _formats as formats
 from megatron_recipes.checkpoint import _fsdp as fsdp_ckpt
@@ -222,7 +223,7 @@ def save(
     if background is not None and not fsdp:
         meta = _meta(step, cfg, len(model_chunks), optimizer, scheduler, fmt, record)
         request = io.save_async(sharded, store.staging_dir(root, step), content_metadata=io.content_metadata(metadata))
-        finish = lambda: on_rank0("finishing the checkpoint", lambda: _finish(root, step, meta, cfg, keep_last))  # noqa: E731
+        finish = lambda: _complete(root, step, meta, cfg, keep_last)  # noqa: E731
         background.schedule(request, step, root, io.state_bytes(sharded), began, finish)
         return store.iter_dir(root, step)  # complete once background.poll()/wait() says so
     try:
@@ -245,8 +246,16 @@ def save(
     meta = _meta(step, cfg, len(model_chunks), optimizer, scheduler, fmt, record)
     if fsdp:  # [FSDP hook]
         meta["backend"] = fsdp_ckpt.BACKEND
-    on_rank0("finishing the checkpoint", lambda: _finish(root, step, meta, cfg, keep_last))
+    _complete(root, step, meta, cfg, keep_last)
     return store.iter_dir(root, step)
+
+
+def _complete(root: Path, step: int, meta: Dict[str, Any], cfg: RunConfig, keep_last: int) -> None:
+    """Collective, once every rank's shards are written: each file's size and hash into meta.json, then
+    rank 0 publishes the checkpoint (``_finish``)."""
+    collectives.barrier()  # every rank's files are on disk before any is listed
+    meta[checksums.KEY] = checksums.record(store.staging_dir(root, step))
+    on_rank0("finishing the checkpoint", lambda: _finish(root, step, meta, cfg, keep_last))
 
 
 def weights_state(model_chunks: List[torch.nn.Module], state: Dict[str, Any]) -> Dict[str, Any]:
@@ -265,10 +274,18 @@ def finish_weights_only(root: Path, step: int, cfg: RunConfig) -> Path:
     config.yaml, meta.json, rename, tracker, exactly as ``save`` finishes. One process."""
     meta = _meta(step, cfg, 1, None, None, None, None)
     meta["contents"]["rng"] = False
+    meta[checksums.KEY] = checksums.record(store.staging_dir(Path(root), step))
     return _finish(Path(root), step, meta, cfg, keep_last=0)
 
 
 # --- load ---
+
+
+def verify_files(path: Path) -> bool:
+    """Collective: True when every file of checkpoint ``path`` is as saved, False when it holds no record;
+    a RecipeError naming the damaged files otherwise."""
+    ckpt = Path(path)
+    return checksums.verify(ckpt, store.read_meta(ckpt))
 
 
 def _resolve_everywhere(path: Path) -> Path:
@@ -329,6 +346,7 @@ def load(
     store.require_readable_here(ckpt, meta)
     if cfg is not None:
         identity.check_same_model(meta, cfg, ckpt)
+    checksums.verify(ckpt, meta)  # a damaged file is named before any tensor is read
     contents = meta.get("contents", {})
     if optimizer is not None and not contents.get("optimizer"):
         raise RecipeError(
@@ -397,6 +415,7 @@ def load_weights(path: Path, model_chunks: List[torch.nn.Module], cfg: RunConfig
     meta = store.read_meta(ckpt)
     store.require_readable_here(ckpt, meta)
     identity.check_same_model(meta, cfg, ckpt)
+    checksums.verify(ckpt, meta)
     if fsdp_ckpt.is_fsdp(model_chunks) or fsdp_ckpt.is_fsdp_checkpoint(meta):  # [FSDP hook]
         fsdp_ckpt.load_weights(ckpt, meta, model_chunks, _runtime_layout(cfg), _trust(cfg))
         return

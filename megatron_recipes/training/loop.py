@@ -388,7 +388,14 @@ class Trainer:
         if self.sink is not None:
             self.sink.log(self.step, {"loss": result.loss, "grad_norm": result.grad_norm, "diverged": True})
         latest = checkpoint.latest(self.cfg)
-        kept = f"the last good checkpoint is kept: {latest}" if latest else "no checkpoint was written before it"
+        kept = "no checkpoint was written before it"
+        if latest:  # said to be intact only once its files are checked against what was saved
+            try:
+                state = ("its files verified as saved" if checkpoint.verify_files(latest)
+                         else "not verified: it was saved without a checksum record")
+                kept = f"the last checkpoint, from before the divergence, is kept: {latest} ({state})"
+            except RecipeError as exc:
+                kept = f"the last checkpoint {latest} is damaged, resume from an earlier one: {exc.message}"
         raise TrainingDiverged(
             f"training diverged at step {self.step}: {' and '.join(bad)} = "
             f"{result.loss if 'loss' in bad else result.grad_norm} (not a finite number); {kept}",
