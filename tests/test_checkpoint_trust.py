@@ -48,6 +48,17 @@ def _attempt(fn):
     return "loaded"
 
 
+def _record_as_saved(folder: Path) -> None:
+    """meta.json's checksum record rewritten for ``folder``'s current files, as a crafter would."""
+    import json
+
+    from megatron_recipes.checkpoint import _checksums
+
+    meta = json.loads((folder / "meta.json").read_text())
+    meta[_checksums.KEY] = _checksums.record(folder)
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
 def _one_rank(tmp: str):
     from megatron_recipes import checkpoint as ck
 
@@ -69,6 +80,7 @@ def _one_rank(tmp: str):
         shutil.copytree(latest, bad)
         sentinel = tmp / f"SENTINEL{name}"
         _plant(bad, name, sentinel)
+        _record_as_saved(bad)  # a crafted checkpoint carries a matching checksum record: trust is what stops it
         out[name] = _attempt(lambda: ck.load_weights(bad, fresh.model, fresh.cfg))
         out[f"{name} ran"] = sentinel.exists()
         trusting = cs.tiny_cfg(str(tmp / "run"), extra=["checkpoint.trust_code=true"])

@@ -3,6 +3,7 @@ never a JSONDecodeError/ZeroDivisionError/IndexError or a page of torch tracebac
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -57,7 +58,37 @@ def test_truncated_shard_is_one_line_of_cause(models, tmp_path):
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
     for action in (lambda: run_export(ckpt, tmp_path / "out", progress=False),
                    lambda: run_verify(models / "hf", ckpt)):
-        with pytest.raises(RecipeError, match="could not be read") as info:
+        with pytest.raises(RecipeError, match=f"is damaged.*\n.*{shard.name}: .* bytes") as info:  # checksum record
             action()
         text = str(info.value)
-        assert "Traceback" not in text and 'File "' not in text and len(text.splitlines()) <= 2, text
+        assert "Traceback" not in text and 'File "' not in text and len(text.splitlines()) <= 3, text
+    # without the record (a checkpoint from before it, or a record removed) the reader's own failure is one line
+    meta_path = shard.parent / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["files"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(RecipeError, match="could not be read") as info:
+        run_export(ckpt, tmp_path / "out", progress=False)
+    assert "Traceback" not in str(info.value) and len(str(info.value).splitlines()) <= 2
+
+
+def test_a_tied_model_with_its_own_lm_head_is_refused_before_anything_is_written(models, tmp_path, capsys):
+    # Before: imported with the embedding as the head, verify agreed on 0% of argmax tokens, and the wrong
+    # checkpoint stayed on disk (above 500M parameters verify is skipped by default) (issue 30, case 10).
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    hf = make_hf_model("llama", tmp_path / "tied", tie_word_embeddings=True)
+    weights = load_file(str(hf / "model.safetensors"))
+    embed = weights["model.embed_tokens.weight"]
+    same = {**{k: v.clone() for k, v in weights.items() if k != "lm_head.weight"}, "lm_head.weight": embed.clone()}
+    save_file(same, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    run_import(hf, tmp_path / "ok", ParallelConfig(), progress=False)  # a head equal to the embedding: fine
+    other = dict(same, **{"lm_head.weight": embed + 0.01})
+    save_file(other, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    assert json.loads((hf / "config.json").read_text())["tie_word_embeddings"] is True
+    assert cli(["convert", "import", f"hf_dir={hf}", f"out_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert "separate lm_head.weight that differs from model.embed_tokens.weight (first at row 0)" in err, err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()

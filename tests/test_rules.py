@@ -54,6 +54,7 @@ CASES: Dict[str, Case] = {
     "model.family": (TINY, ("model.family=gpt9",), ("model.family=qwen2",)),
     "layout.degrees_positive": (TINY, ("parallel.tp=0",), ()),
     "layout.world_factorisation": (TINY, ("cluster.gpus_per_node=3",), ()),
+    "layout.world_bounded": (TINY, ("cluster.nodes=1048576",), ("cluster.nodes=2",)),
     "layout.expert_factorisation": (TINY, MOE + ("parallel.ep=4",), MOE + ("parallel.ep=2",)),
     "tp.attention_heads": (TINY, ("parallel.tp=3", "cluster.gpus_per_node=3", "train.global_batch_size=24"), ()),
     "tp.query_groups": (TINY, ("parallel.tp=4", "cluster.gpus_per_node=4", "train.global_batch_size=32"), ()),

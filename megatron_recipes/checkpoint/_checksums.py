@@ -100,7 +100,7 @@ def damaged(folder: Path, recorded: Dict[str, Dict[str, object]], names: List[st
 
 
 def verify(folder: Path, meta: Dict[str, object]) -> bool:
-    """Collective: raise naming every damaged file of ``folder``; False when the checkpoint holds no record
+    """Collective under a process group (each rank checks its share): raise naming every damaged file of ``folder``; False when the checkpoint holds no record
     (saved before checkpoints recorded one), True when every file is as saved."""
     import torch
 
@@ -109,9 +109,12 @@ def verify(folder: Path, meta: Dict[str, object]) -> bool:
     recorded = meta.get(KEY)
     if not isinstance(recorded, dict):
         return False
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    problems = damaged(folder, recorded, _share(sorted(recorded), rank, world))
-    everything = [p for part in collectives.all_gather_object(problems) for p in part]
+    if torch.distributed.is_initialized():
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        problems = damaged(folder, recorded, _share(sorted(recorded), rank, world))
+        everything = [p for part in collectives.all_gather_object(problems) for p in part]
+    else:  # one process (convert export): it checks every file
+        everything = damaged(folder, recorded, sorted(recorded))
     if everything:
         raise RecipeError(
             f"checkpoint '{folder}' is damaged: {len(everything)} file(s) differ from what was saved:\n    "

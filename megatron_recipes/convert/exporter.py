@@ -140,6 +140,7 @@ def run_export(
     resolved, cfg, meta = checkpoint.read_run(ckpt)
     _check_format(resolved, meta)
     checkpoint.check_same_model(meta, cfg, resolved)
+    checkpoint.verify_files(resolved)  # a damaged file is named before a tensor is read
     if getattr(cfg, "peft", None) is not None and cfg.peft.method != "none":
         raise RecipeError(
             f"checkpoint '{resolved}' is a peft.method={cfg.peft.method} run: it holds adapters, not a whole model",

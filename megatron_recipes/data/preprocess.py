@@ -15,6 +15,7 @@ publishes both files atomically.
 from __future__ import annotations
 
 import os
+import re
 import queue
 import shutil
 import threading
@@ -44,6 +45,7 @@ class PreprocessSummary:
     tokenizer_via: str = "tokenizer.json"  # how the tokenizer was loaded (fast_tokenizer)
     max_token_id: int = -1  # recorded in <prefix>.stats.json: training checks it against model.vocab_size
     invalid_unicode: int = 0  # documents whose lone surrogates were replaced by U+FFFD (counted, not hidden)
+    pieced: int = 0  # documents longer than PIECE_CHARS, encoded piece by piece (bounded memory)
 
     @property
     def docs_per_s(self) -> float:
@@ -149,6 +151,74 @@ def _set_threads(workers: int) -> None:
     os.environ.setdefault("RAYON_NUM_THREADS", str(workers))
 
 
+# A document longer than this is encoded in pieces cut at line breaks: the tokenizer's per-token objects cost
+# about a hundred bytes per token, so one 100 MB document took over 15 GB (and minutes) encoded whole.
+PIECE_CHARS = 1 << 20
+_PIECES_AT_ONCE = 8
+
+
+class _Ids:
+    """What ``_to_array`` reads of an encoding (its ids), for documents assembled from pieces: an array (4
+    bytes a token where a list of ints costs about 36)."""
+
+    def __init__(self, ids: np.ndarray) -> None:
+        self.ids = ids
+
+
+# Where a piece may end: before a single space or line break that stands between two non-space characters.
+# GPT-style pre-tokenizers (GPT-2's and Llama 3's patterns) always split there: a token never ends in such a
+# space, and the next one starts with it, so the pieces' tokens are the whole text's. Elsewhere (a run of
+# spaces, a line break after a blank line) a cut could change the tokens, so it is only the last resort.
+_CUT = re.compile(r"(?<=\S)(?=[ \n]\S)")
+
+
+def _cut_point(text: str, start: int, limit: int) -> int:
+    """The end of the piece from ``start``: the last safe cut (``_CUT``) before ``start + limit``, else there."""
+    end = start + limit
+    for match in reversed(list(_CUT.finditer(text, start + 1, end))):
+        return match.start()
+    return end
+
+
+def _cut(text: str, limit: int) -> List[str]:
+    """``text`` in pieces of at most ``limit`` characters; the pieces joined are the text."""
+    pieces, start = [], 0
+    while len(text) - start > limit:
+        end = _cut_point(text, start, limit)
+        pieces.append(text[start:end])
+        start = end
+    return pieces + [text[start:]]
+
+
+def _encode(encode, texts: List[str], add_special_tokens: bool) -> Tuple[list, int, int]:
+    """Encodings of ``texts``, the count of texts whose lone surrogates were replaced, and of texts encoded
+    in pieces (longer than PIECE_CHARS; a piece boundary can tokenize differently from the whole text, so
+    they are counted). Special tokens, when asked for, go with a document's first piece."""
+    fixed = 0
+    if any(len(t) > PIECE_CHARS for t in texts):
+        texts, fixed = replace_lone_surrogates(texts)
+        out, long = [], 0
+        for text in texts:
+            if len(text) <= PIECE_CHARS:
+                out += encode([text], add_special_tokens=add_special_tokens)
+                continue
+            long += 1
+            pieces, ids = _cut(text, PIECE_CHARS), []
+            for i in range(0, len(pieces), _PIECES_AT_ONCE):  # a few pieces' encodings alive at a time
+                group = pieces[i:i + _PIECES_AT_ONCE]
+                for k, encoding in enumerate(encode(group, add_special_tokens=False)):
+                    first = add_special_tokens and i + k == 0
+                    ids.append(np.asarray(encode([group[0]], add_special_tokens=True)[0].ids if first else encoding.ids,
+                                          dtype=np.int32))
+            out.append(_Ids(np.concatenate(ids)))
+        return out, fixed, long
+    try:
+        return encode(texts, add_special_tokens=add_special_tokens), 0, 0
+    except TypeError:  # a lone surrogate ("\ud800" in JSON) is not text the tokenizer takes
+        texts, fixed = replace_lone_surrogates(texts)
+        return encode(texts, add_special_tokens=add_special_tokens), fixed, 0
+
+
 def replace_lone_surrogates(texts: List[str]) -> Tuple[List[str], int]:
     """Each text with its unpaired UTF-16 surrogates replaced by U+FFFD, and how many texts had one. A corpus
     of billions of documents is not failed for one bad escape; the summary counts them."""
@@ -163,8 +233,18 @@ def replace_lone_surrogates(texts: List[str]) -> Tuple[List[str], int]:
     return out, fixed
 
 
+def _arrays_to_array(docs: List[np.ndarray], eod: Optional[int], dtype) -> tuple:
+    tail = [np.asarray([eod], dtype=dtype)] if eod is not None else []
+    kept = [d for d in docs if len(d)]
+    flat = np.concatenate([part for d in kept for part in [d, *tail]]) if kept else np.zeros(0, dtype=dtype)
+    lengths = np.asarray([len(d) + len(tail) for d in kept], dtype=np.int64)
+    return flat, lengths, len(docs) - len(kept)
+
+
 def _to_array(encodings, eod: Optional[int], dtype) -> tuple:
     """One batch's ids back to back (+EOD per non-empty document) and each document's length."""
+    if any(isinstance(e, _Ids) for e in encodings):  # a pieced document: arrays, never a list of its ids
+        return _arrays_to_array([np.asarray(e.ids, dtype=dtype) for e in encodings], eod, dtype)
     ids = [e.ids for e in encodings]
     lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
     keep = lengths > 0
@@ -210,7 +290,7 @@ def preprocess(
     eod = tok.eod if append_eod else None
     remove_stale_temporaries(output_prefix)
     encode = tok.backend.encode_batch_fast if workers > 1 else (lambda texts, **kw: [tok.backend.encode(t, **kw) for t in texts])
-    rows = missing = empty = invalid = 0
+    rows = missing = empty = invalid = pieced = 0
     bar = Progress("preprocess", total=plain_input_bytes(input_spec), unit="B", items_unit="documents",
                    enabled=show_progress)
     with bar, indexed_writer(output_prefix, out_dtype) as writer:
@@ -218,12 +298,8 @@ def preprocess(
             rows += batch.rows
             missing += batch.missing
             if batch.texts:
-                try:
-                    encodings = encode(batch.texts, add_special_tokens=add_special_tokens)
-                except TypeError:  # a lone surrogate ("\ud800" in JSON) is not text the tokenizer takes
-                    texts, fixed = replace_lone_surrogates(batch.texts)
-                    invalid += fixed
-                    encodings = encode(texts, add_special_tokens=add_special_tokens)
+                encodings, fixed, cut = _encode(encode, batch.texts, add_special_tokens)
+                invalid, pieced = invalid + fixed, pieced + cut
                 flat, lengths, skipped = _to_array(encodings, eod, out_dtype)
                 empty += skipped
                 if len(lengths):
@@ -247,6 +323,7 @@ def preprocess(
         tokenizer_via=tok.via,
         max_token_id=writer.max_token_id,
         invalid_unicode=invalid,
+        pieced=pieced,
     )
 
 
@@ -262,6 +339,7 @@ def print_summary(summary: PreprocessSummary) -> None:
         ("rows without the text field (skipped)", f"{summary.missing:,}"),
         ("tokenizer loaded via", summary.tokenizer_via),
         ("documents with lone surrogates (replaced by U+FFFD)", f"{summary.invalid_unicode:,}"),
+        (f"documents over {PIECE_CHARS:,} characters (encoded in pieces)", f"{summary.pieced:,}"),
         ("tokens", f"{summary.tokens:,}"),
         ("largest token id", f"{summary.max_token_id:,}"),
         (".bin bytes", f"{summary.bytes:,}"),

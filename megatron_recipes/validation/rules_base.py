@@ -109,9 +109,16 @@ def degrees_ok(cfg: RunConfig) -> bool:
     return basic and (p.vpp is None or p.vpp >= 1) and cfg.cluster.nodes >= 1 and cfg.cluster.gpus_per_node >= 1
 
 
+# Above any cluster built (the largest published training jobs ran on about 100,000 GPUs): a larger world is
+# a typo, and building its groups enumerates every rank of every group (minutes of silence at a million
+# nodes), so the rules that build them skip it (rule layout.world_bounded says why)
+MAX_WORLD = 262_144
+
+
 def world_ok(cfg: RunConfig) -> bool:
     """Both megatron-core rank generators can be built (dense and expert layouts factorise the world)."""
-    return degrees_ok(cfg) and derived.data_parallel_size(cfg) > 0 and derived.expert_data_parallel_size(cfg) > 0
+    return (degrees_ok(cfg) and derived.world_size(cfg) <= MAX_WORLD and derived.data_parallel_size(cfg) > 0
+            and derived.expert_data_parallel_size(cfg) > 0)
 
 
 def layers_ok(cfg: RunConfig) -> bool:

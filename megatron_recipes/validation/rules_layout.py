@@ -8,6 +8,7 @@ from megatron_recipes.config import derived
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.estimate.groups import build_group_map
 from megatron_recipes.validation.rules_base import (
+    MAX_WORLD,
     choices,
     degrees_ok,
     divisors,
@@ -40,6 +41,18 @@ def _degrees_positive(cfg: RunConfig) -> Optional[str]:
     bad = [f"parallel.{k}={v}" for k, v in values.items() if v is not None and v < 1]
     bad += [f"cluster.{k}={v}" for k, v in (("nodes", c.nodes), ("gpus_per_node", c.gpus_per_node)) if v < 1]
     return f"{', '.join(bad)} must be >= 1"
+
+
+@rule(
+    "layout.world_bounded",
+    ["cluster.nodes", "cluster.gpus_per_node"],
+    f"the world size (cluster.nodes x cluster.gpus_per_node) is at most {MAX_WORLD:,} GPUs",
+    "check cluster.nodes and cluster.gpus_per_node (the nodes of the job, the GPUs of one node)",
+)
+def _world_bounded(cfg: RunConfig) -> Optional[str]:
+    if not degrees_ok(cfg) or derived.world_size(cfg) <= MAX_WORLD:
+        return None
+    return f"{_world_desc(cfg)} is more GPUs than any cluster holds ({MAX_WORLD:,} at most here)"
 
 
 @rule(
@@ -262,6 +275,7 @@ def _nvlink_shape(cfg: RunConfig) -> Optional[str]:
 
 LAYOUT_RULES = [
     _degrees_positive,
+    _world_bounded,
     _world_factorisation,
     _expert_factorisation,
     _tp_heads,
