@@ -144,3 +144,25 @@ def test_a_safetensors_index_never_names_a_file_outside_the_model_folder(tmp_pat
     index["weight_map"]["w"] = "model-00001.safetensors"
     (model / INDEX_NAME).write_text(json.dumps(index))
     assert shard_files(model) == [model / "model-00001.safetensors"]
+
+
+def test_a_checkpoints_folder_that_cannot_be_written_is_refused_before_training(tmp_path, data_cache, capsys):
+    # Before: training started and failed only at its first save (issue 30, case 14).
+    import subprocess
+
+    from megatron_recipes.cli import main
+
+    blocked = _file(tmp_path) / "run"  # a regular file where a folder must go
+    with pytest.raises(RecipeError, match="checkpoints cannot be written to"):
+        store.require_writable(blocked / "checkpoints")
+    assert main(["train", "tiny_llama_cpu", f"run.dir={blocked}", f"data.cache_dir={data_cache}"]) == 2
+    assert "checkpoints cannot be written to" in capsys.readouterr().err
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(readonly)], capture_output=True).returncode:
+        pytest.skip("this machine cannot mount a read-only tmpfs (needs root); the file-in-the-way case ran")
+    try:
+        with pytest.raises(RecipeError, match="Read-only file system"):
+            store.require_writable(readonly / "run" / "checkpoints")
+    finally:
+        subprocess.run(["umount", str(readonly)], check=True)

@@ -34,6 +34,7 @@ from megatron_recipes.checkpoint._files import (
     prepare_staging,
     read_meta,
     read_run,
+    require_writable,
     step_of,
 )
 from megatron_recipes.checkpoint._files import resolve_dir as resolve
@@ -114,6 +115,7 @@ __all__ = [
     "read_meta",
     "read_run",
     "resolve",
+    "require_writable",
     "restricted_loading",
     "root_cause",
     "run_identity",

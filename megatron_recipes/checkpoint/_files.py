@@ -179,6 +179,22 @@ def require_folder_or_nothing(root: Path) -> None:
                           fix="move the file away, or set run.dir to another folder")
 
 
+def require_writable(root: Path) -> None:
+    """The checkpoints folder can take a save: refused before training, not at the first save an hour in
+    (a read-only mount, a folder of another user, a file in the way)."""
+    require_folder_or_nothing(root)
+    probe = root / f".write-test-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise RecipeError(
+            f"checkpoints cannot be written to '{root}': {exc.strerror or exc}",
+            fix="set run.dir to a folder you can write to (or checkpoint.save=false to train without saving)",
+        ) from None
+
+
 def latest(where: Union[RunConfig, Path]) -> Optional[Path]:
     """The checkpoint a run (its ``RunConfig``) or a checkpoints folder continues from, or None: the tracker's.
 

@@ -73,7 +73,16 @@ def run_rank(recipe: str, cfg, validated: bool = False) -> int:
     for note in set_rank_environment(cfg):
         if os.environ.get("RANK", "0") == "0":
             print(f"environment: {note}", flush=True)
-    return run(cfg, recipe, validated=validated)
+    try:
+        return run(cfg, recipe, validated=validated)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line from rank 0, not a traceback per rank
+        if os.environ.get("RANK", "0") == "0":
+            from megatron_recipes import checkpoint
+
+            last = checkpoint.latest(cfg)
+            print(f"interrupted (Ctrl-C): nothing was saved since the last checkpoint; the same command resumes from "
+                  f"{last if last else 'the start (no checkpoint yet)'}", file=sys.stderr, flush=True)
+        return 130
 
 
 def _rank_count(cfg) -> int:

@@ -59,6 +59,8 @@ def preflight(cfg: RunConfig) -> None:
     from megatron_recipes.data.indexed import check_fits_vocab, check_indexed_prefix
     from megatron_recipes.data.pretrain import resolve_blends
 
+    if cfg.checkpoint.save:  # before anything slow: a read-only folder fails here, not at the first save
+        checkpoint.require_writable(checkpoint.checkpoints_root(cfg))
     optim.optimizer_config(cfg)
     tracking.check_installed(cfg)  # an explicitly asked-for W&B / MLflow must be installed
     if cfg.data.kind in ("builtin", "indexed"):
