@@ -6,9 +6,10 @@ Errors the user can fix (``RecipeError``) are printed as one message without a t
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import sys
 
-from megatron_recipes.cli_args import subcommand
+from megatron_recipes.cli_args import HelpRequested, subcommand
 from megatron_recipes.config.errors import RecipeError
 
 # subcommand -> "module:function"; each function takes argv (after the subcommand) and returns an exit code
@@ -21,6 +22,7 @@ SUBCOMMANDS = {
     "slurm": ("megatron_recipes.slurm.cli:main", "render or submit sbatch scripts"),
     "report": ("megatron_recipes.report.cli:main", "write a run directory's report.html (also while it runs)"),
     "generate": ("megatron_recipes.generate.cli:main", "text from a run's checkpoint (megatron-core's inference engine)"),
+    "list": ("megatron_recipes.config.listing:main", "the recipes, the config groups and their options"),
 }
 
 # subcommands that import megatron-core: the entry point applies runtime/patches.py's "process" scope first
@@ -29,6 +31,28 @@ USE_MEGATRON_CORE = ("train", "plan", "check", "convert", "report")  # generate 
 USAGE = "usage: megatron-recipes <subcommand> <recipe> [key=value ...] [--flags]\n\nsubcommands:\n" + "\n".join(
     f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()
 )
+
+
+class _ProcessPatches(importlib.abc.MetaPathFinder):
+    """Applies runtime/patches.py's ``process`` scope the moment megatron-core is first imported, not before:
+    help, a flag typo or a bad override then answers without the seconds torch and megatron-core take."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "megatron.core" and self in sys.meta_path:
+            sys.meta_path.remove(self)
+            from megatron_recipes.runtime import patches
+
+            patches.apply("process")  # refuses an unsupported megatron-core (a RecipeError from the import)
+        return None  # the import itself goes on as usual
+
+
+def _patch_before_megatron_core() -> None:
+    if "megatron.core" in sys.modules:  # already imported (an embedding program): apply now
+        from megatron_recipes.runtime import patches
+
+        patches.apply("process")
+    elif not any(isinstance(f, _ProcessPatches) for f in sys.meta_path):
+        sys.meta_path.insert(0, _ProcessPatches())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,11 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     module_name, func_name = SUBCOMMANDS[name][0].split(":")
     try:
         if name in USE_MEGATRON_CORE:  # others (data preprocess) must not even import torch
-            from megatron_recipes.runtime import patches
-
-            patches.apply("process")  # before the subcommand imports megatron-core; refuses an unsupported one
+            _patch_before_megatron_core()
         func = getattr(importlib.import_module(module_name), func_name)
         return int(func(rest) or 0)
+    except HelpRequested as help_:
+        print(help_.text)
+        return 0
     except RecipeError as exc:
         print(f"error: {exc.render()}", file=sys.stderr)
         return 2

@@ -48,6 +48,29 @@ def subcommand(argv: Sequence[str], names: Sequence[str], usage: str, what: str)
     return argv[0], list(argv[1:])
 
 
+class HelpRequested(Exception):
+    """``--help`` among a subcommand's arguments: the CLI prints ``text`` and exits 0."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+
+def help_text(prog: str, flags: Mapping[str, FlagSpec], positional: Sequence[str]) -> str:
+    """A subcommand's usage, its flags and, for recipe commands, where the recipes and groups are listed."""
+    names = " ".join(f"<{p}>" for p in positional)
+    lines = [f"usage: {prog} {names} [key=value ...]" + "".join(f" [--{f}{'' if s is False else ' <value>'}]"
+                                                             for f, s in flags.items())]
+    if "recipe" in positional:
+        from megatron_recipes.config.compose import list_recipes
+        from megatron_recipes.config.listing import groups
+
+        lines += ["", "recipes: " + ", ".join(list_recipes()),
+                  "groups (GROUP=OPTION): " + ", ".join(groups()) + " (`megatron-recipes list GROUP` shows the options)",
+                  "overrides: key=value, Hydra style (`megatron-recipes plan <recipe> --show-config` prints every key)"]
+    return "\n".join(lines)
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     value = int(text)  # ValueError: argparse names the flag and the value
@@ -85,6 +108,8 @@ def split_args(
     """Split argv: flags (``flags`` maps name without -- to its declaration) and positionals through
     argparse, ``key=value`` items kept in order. Unknown flags, bad flag values and missing positionals
     raise RecipeError naming the accepted ones."""
+    if any(a in ("-h", "--help") for a in argv):
+        raise HelpRequested(help_text(prog, flags, positional))
     parser = _Parser(prog, _flag_fix(flags))
     for name, spec in flags.items():
         if spec is False:

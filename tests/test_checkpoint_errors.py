@@ -106,6 +106,18 @@ def _one_rank(tmp: str):
     out["still_untouched"] = all(torch.equal(a, b) for a, b in zip(snapshot, _params(fresh.model)))
     out["verified"] = ck.verify_files(latest)
     out["recorded"] = sorted(ck.read_meta(latest)["files"])
+    # every recorded file, one at a time: one byte flipped at a random place is named (the damage fuzz)
+    import random
+
+    rng, out["flips"] = random.Random(0), {}
+    for name in out["recorded"]:
+        flipped = tmp / "flipped" / name.replace("/", "_") / latest.name
+        shutil.copytree(latest, flipped)
+        data = bytearray((flipped / name).read_bytes())
+        at = rng.randrange(len(data))
+        data[at] ^= 0x01
+        (flipped / name).write_bytes(bytes(data))
+        out["flips"][name] = _expect_error(lambda: ck.verify_files(flipped), f"{name}: its content changed")
 
     out["bad_state"] = _expect_error(
         lambda: ck.save(tmp / "bad", 1, t.model, None, None, {"rng": {"n": object()}}, t.cfg, 1),
@@ -152,5 +164,6 @@ def test_weights_only_retention_and_refusals(tmp_path):
     assert out["explicit_root"] == "iter_0000004" and out["none"] is None
     assert out["untouched"] and out["other_untouched"] and out["bad_state_wrote_nothing"] and out["still_untouched"]
     assert out["verified"] is True  # the intact checkpoint's files are as recorded
+    assert out["flips"] and all(v == "ok" for v in out["flips"].values()), out["flips"]
     assert ".metadata" in out["recorded"] and any(n.endswith(".distcp") for n in out["recorded"])
     assert "meta.json" not in out["recorded"] and "config.yaml" not in out["recorded"]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from megatron_recipes import files
-from megatron_recipes.check import compare, ranks, runs
+from megatron_recipes.check import compare  # ranks, runs: torch, imported once the check starts
 from megatron_recipes.check.shrink import LAYERS_PER_CHUNK, Shrunk, shrink
 from megatron_recipes.cli_args import split_args
 from megatron_recipes.config import derived
@@ -195,6 +195,8 @@ def main(argv: List[str]) -> int:
     given = args.flags.get("dir")
     output_dir(recipe_cfg, Path(given) if given else None)  # refused before the ranks' server starts
     # the ranks' server imports torch, megatron-core (and the tokenizer's library) while this process plans
+    from megatron_recipes.check import ranks
+
     ranks.context(tokenizers=recipe_cfg.data.kind == "sft")
     try:
         return _check(args, recipe_cfg)
@@ -204,6 +206,8 @@ def main(argv: List[str]) -> int:
 
 def _check(args, recipe_cfg: RunConfig) -> int:
     """The check itself, once the ranks' server is starting: plan, refuse or run, compare."""
+    from megatron_recipes.check import runs
+
     max_ranks, steps = args.flags.get("max-ranks", 8), args.flags.get("steps", 6)
     timeout, rtol = args.flags.get("timeout", 900), args.flags.get("rtol", 1e-5)
     check_flags(args.flags)

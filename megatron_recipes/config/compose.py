@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Iterable, List, Sequence
@@ -236,18 +237,49 @@ def _group_option_hint(message: str) -> str:
     return "check the option name against the folders under recipes/"
 
 
+def schema_keys(kind: type = RunConfig, prefix: str = "") -> List[str]:
+    """Every dotted key of the recipe schema (dataclass fields, nested groups expanded)."""
+    import typing
+
+    hints = typing.get_type_hints(kind)  # the schema's annotations are strings (postponed evaluation)
+    out: List[str] = []
+    for f in dataclasses.fields(kind):
+        inner = hints.get(f.name)
+        out += schema_keys(inner, f"{prefix}{f.name}.") if dataclasses.is_dataclass(inner) else [f"{prefix}{f.name}"]
+    return out
+
+
+_UNKNOWN_OVERRIDE = re.compile(r"Could not override '([^']+)'")
+
+
 def _describe_compose_error(exc: Exception) -> str:
     text = str(exc).strip()
     if exc.__cause__ is not None:  # Hydra wraps the OmegaConf error that names the key and type
         text += ": " + str(exc.__cause__).strip()
+    # Hydra's "+key" advice adds a key the typed schema then rejects: never repeat it
+    text = re.sub(r"\s*To append to your config use \+\S+", "", text)
     keep = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(("reference_type", "object_type"))]
     return " ".join(keep)
+
+
+def did_you_mean(key: str) -> str:
+    """``did you mean a, b?`` for a key close to schema keys (empty when none is close)."""
+    keys = schema_keys()
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.75)
+    if not close:  # a typo in the group part: match the leaf within the closest group
+        group, _, leaf = key.partition(".")
+        groups = difflib.get_close_matches(group, sorted({k.split(".")[0] for k in keys}), n=1)
+        if groups and leaf:
+            close = difflib.get_close_matches(f"{groups[0]}.{leaf}", keys, n=3, cutoff=0.75)
+    return f"did you mean {', '.join(close)}? " if close else ""
 
 
 def _fix_for_compose_error(exc: Exception) -> str:
     text = str(exc) + str(exc.__cause__ or "")
     if "not in" in text or "Could not override" in text or "Key '" in text:
-        return "check the key spelling; `megatron-recipes plan <recipe> --show-config` prints every valid key"
+        found = _UNKNOWN_OVERRIDE.search(text)
+        hint = did_you_mean(found.group(1)) if found else ""
+        return (f"{hint}check the key spelling; `megatron-recipes plan <recipe> --show-config` prints every valid key")
     if "Value '" in text or "could not be converted" in text or "ValidationError" in type(exc).__name__:
         return "give a value of the type the schema expects (see megatron_recipes/config/schema.py)"
     return "see the message above"
