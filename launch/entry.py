@@ -100,6 +100,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     env = dict(os.environ)
     problems = node_problems(cfg, env, slurm=slurm, visible_gpus=_visible_gpus(cfg))
     where = env.get("SLURMD_NODENAME") or socket.gethostname()
+    if problems and args.flags.get("print-only"):  # shows the command on any machine; says what this one lacks
+        print(f"[megatron-recipes] note: node {where} could not start it:\n  - " + "\n  - ".join(problems), flush=True)
+        problems = []
     if problems:
         raise RecipeError(f"node {where} cannot start the run:\n  - " + "\n  - ".join(problems),
                           fix="see each item above")

@@ -89,7 +89,16 @@ def test_entry_refuses_a_bad_node(monkeypatch):
     for k in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(RecipeError, match="MASTER_ADDR is not set"):
-        entry_main(["tiny_llama_cpu", "cluster=slurm_cpu", "parallel.tp=1", "--print-only"])
+        entry_main(["tiny_llama_cpu", "cluster=slurm_cpu", "parallel.tp=1"])
+
+
+def test_print_only_prints_on_a_machine_that_could_not_run_it(monkeypatch, capsys):
+    # Before: --print-only ran the node checks and failed on a machine without the job's GPUs (issue 29)
+    for k in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert entry_main(["tiny_llama_cpu", "cluster=slurm_cpu", "parallel.tp=1", "--print-only"]) == 0
+    out = capsys.readouterr().out
+    assert "could not start it:" in out and "MASTER_ADDR is not set" in out and "exec: " in out
 
 
 def test_dry_run_prints_the_entrys_own_lines(tmp_path):

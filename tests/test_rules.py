@@ -211,12 +211,15 @@ CASES: Dict[str, Case] = {
     ),
     "slurm.max_restarts": (TINY, ("cluster.max_restarts=-1",), ("cluster.max_restarts=0",)),
     "slurm.launcher": (TINY, ("cluster.launcher=mpirun",), ("cluster.launcher=pmix",)),
+    "slurm.gpu_request": (TINY, ("cluster.gpu_request=gpus",), ("cluster.gpu_request=gres",)),
     "slurm.cpus": (TINY, ("cluster.cpus_per_task=1",), ("cluster.cpus_per_task=2",)),
     "slurm.mem": (TINY, ("cluster.sbatch_extra=['--mem-per-gpu=200G']",),
                   ("cluster.mem=null", "cluster.sbatch_extra=['--mem-per-gpu=200G']")),
     "slurm.extra_format": (TINY, ("cluster.sbatch_extra=['qos=high']",), ("cluster.sbatch_extra=['--qos=high']",)),
     "slurm.extra_owned": (TINY, ("cluster.srun_extra=['--nodes=4']",), ("cluster.srun_extra=['--exclusive']",)),
     "slurm.env_name": (TINY, ("+cluster.env.MY-VAR=a",), ("+cluster.env.MY_VAR=a",)),
+    # a GPU cluster without an image would run this machine's Python on the nodes (issue 29)
+    "slurm.container_chosen": (TINY, ("cluster.gpu_arch=hopper",), ("cluster.gpu_arch=hopper", "cluster.container_image=none")),
     "slurm.container_image": (TINY, ("cluster.container_workdir=/w",), MOUNTED + ("cluster.container_workdir=/w",)),
     "slurm.mount_syntax": (TINY, IMAGE + ("cluster.container_mounts=['/runs,/data']",), MOUNTED),
     "slurm.mount_source": (

@@ -55,3 +55,20 @@ def test_example_cluster_settings_match_the_schema():
     loaded = OmegaConf.merge(OmegaConf.structured(ClusterConfig), OmegaConf.load(REPO / "slurm" / "example_cluster.yaml"))
     cluster = OmegaConf.to_object(loaded)
     assert cluster.require_account and cluster.container_mounts[1] == "/lustre/runs:/runs"
+
+
+def test_a_gpu_cluster_names_its_container_or_says_none(tmp_path, capsys):
+    # Before: a render without a container silently put this machine's venv Python into the job (issue 29).
+    import sys
+
+    base = ["llama3_8b_pretrain", f"run.dir={tmp_path / 'run'}", "--skip-path-checks"]
+    assert main(["slurm", "render", *base]) == 2
+    err = capsys.readouterr().err
+    assert "[slurm.container_chosen]" in err and "cluster.container_image=none" in err
+    assert main(["slurm", "render", *base, "cluster.container_image=none"]) == 0
+    script = capsys.readouterr().out
+    assert "--container-image" not in script and f"ENTRY=({sys.executable} " in script
+    image = ["cluster.container_image=/images/x.sqsh", "cluster.container_mounts=[/lustre/runs:/runs]"]
+    assert main(["slurm", "render", *base, *image]) == 2  # run.dir (a host path) is not under the mount target
+    err = capsys.readouterr().err
+    assert "[slurm.run_dir_mounted]" in err and "run.dir=/runs/<run name>" in err

@@ -34,7 +34,8 @@ CASES = {
         ["cluster=gb200_nvl72", "cluster.nodes=144", "cluster.launcher=pmix", "cluster.account=llm-pretrain",
          "cluster.partition=gb200", IMAGE, "cluster.container_mounts=[/lustre:/lustre]",
          'run.dir="/lustre/runs/llama 405b"', "cluster.time_limit=06:00:00", "cluster.preempt_signal_lead_s=600",
-         'cluster.sbatch_extra=["--qos=high","--segment=18"]', '+cluster.env.NCCL_IB_SL="1"'],
+         'cluster.sbatch_extra=["--qos=high","--segment=18"]', '+cluster.env.NCCL_IB_SL="1"',
+         "cluster.gpu_request=gres"],  # a cluster without cons_tres: --gres=gpu:4
     ),
 }
 
@@ -93,7 +94,10 @@ def test_h100_choices():
 
 def test_gb200_choices():
     text = (GOLDEN / "llama31_405b_pretrain_gb200.sbatch").read_text()
-    assert "#SBATCH --nodes=144\n#SBATCH --ntasks-per-node=4\n#SBATCH --gpus-per-node=4" in text
+    assert "#SBATCH --nodes=144\n#SBATCH --ntasks-per-node=4\n#SBATCH --gres=gpu:4" in text  # cluster.gpu_request=gres
+    assert "--gpus-per-node" not in text and "\n  --gres=gpu:4\n" in text  # srun asks the same way
+    # a named container: a requeued restart reuses the imported image (the name follows the image)
+    assert "\n  --container-name=megatron-recipes-" in text
     assert "#SBATCH --cpus-per-task=18" in text  # 72 CPUs per tray split over its 4 ranks
     assert "--mpi=pmix" in text and "--label" in text
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=32" in text  # Blackwell

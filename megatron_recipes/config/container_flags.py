@@ -93,9 +93,26 @@ def to_host_path(path: str, mounts: Sequence[Mount]) -> str:
     return os.path.normpath(m.source) if rel == "." else os.path.join(os.path.normpath(m.source), rel)
 
 
+NO_CONTAINER = "none"  # cluster.container_image=none: the nodes run this installation's Python, on purpose
+
+
+def image_of(cluster) -> Optional[str]:
+    """The container image a job runs in, or None (unset, or ``none`` said explicitly)."""
+    image = cluster.container_image
+    return None if not image or str(image).strip().lower() == NO_CONTAINER else str(image)
+
+
+def container_name(image: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(image.encode("utf-8")).hexdigest()[:12]
+
+
 def pyxis_args(image: str, mounts: Sequence[Mount], workdir: Optional[str]) -> List[str]:
     """The srun flags, unquoted (the renderer quotes each one as a whole)."""
-    args = [f"--container-image={image}"]
+    # Named after the image: pyxis keeps a named container on the node, so a requeued restart (same job
+    # id) skips importing the image again; the name changes with the image, so another image is never reused.
+    args = [f"--container-image={image}", f"--container-name=megatron-recipes-{container_name(image)}"]
     if mounts:
         args.append("--container-mounts=" + ",".join(m.render() for m in mounts))
     if workdir:

@@ -24,6 +24,8 @@ RECOMPUTE_METHODS = ("uniform", "block")
 OPTIMIZERS = ("adam", "sgd")
 DECAY_STYLES = ("cosine", "linear", "constant")
 LAUNCHERS = ("torchrun", "pmix")
+# how a job asks Slurm for GPUs: --gpus-per-node (cons_tres), or --gres=gpu:N (clusters without cons_tres)
+GPU_REQUESTS = ("gpus-per-node", "gres")
 
 
 @dataclass
@@ -159,6 +161,7 @@ class ClusterConfig:
     container_mounts: List[str] = field(default_factory=list)
     container_workdir: Optional[str] = None
     launcher: str = "torchrun"  # torchrun (one task per node) | pmix (one task per GPU)
+    gpu_request: str = "gpus-per-node"  # gpus-per-node | gres (sbatch/srun --gres=gpu:N, without cons_tres)
     sbatch_extra: List[str] = field(default_factory=list)
     srun_extra: List[str] = field(default_factory=list)
     env: Dict[str, str] = field(default_factory=dict)

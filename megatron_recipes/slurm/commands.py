@@ -88,7 +88,12 @@ class LaunchPlan:
 
 
 def default_python(cfg: RunConfig) -> str:
-    return "python" if cfg.cluster.container_image else sys.executable
+    return "python" if container.image_of(cfg.cluster) else sys.executable
+
+
+def gpu_flag(c) -> str:
+    """The GPU request of one node, as the cluster's scheduler takes it (cluster.gpu_request)."""
+    return f"--gres=gpu:{c.gpus_per_node}" if c.gpu_request == "gres" else f"--gpus-per-node={c.gpus_per_node}"
 
 
 def srun_args(plan: LaunchPlan) -> List[str]:
@@ -98,12 +103,12 @@ def srun_args(plan: LaunchPlan) -> List[str]:
     if plan.cpus_per_task:
         args.append(f"--cpus-per-task={plan.cpus_per_task}")  # srun no longer inherits it from sbatch
     if plan.uses_gpus:
-        args.append(f"--gpus-per-node={c.gpus_per_node}")
+        args.append(gpu_flag(c))
     if c.launcher == "pmix":
         args += ["--mpi=pmix", "--label"]
     args += ["--kill-on-bad-exit=1", ShellExpr("--output=$RESTART_DIR/node%n-%N.log")]
-    if c.container_image:
-        args += container.pyxis_args(c.container_image, plan.mounts, c.container_workdir)
+    if container.image_of(c):
+        args += container.pyxis_args(container.image_of(c), plan.mounts, c.container_workdir)
     args += [str(a) for a in c.srun_extra]
     return args
 

@@ -34,7 +34,7 @@ def plan_for(cfg: RunConfig, recipe: str, overrides: Sequence[str] = (), *, prob
     """``build_plan`` for a config already composed (``recipe``/``overrides`` are echoed in the script)."""
     cfg.run.dir = os.path.abspath(os.path.expanduser(cfg.run.dir))
     validate_or_raise(cfg, recipe, rules=select(("recipe", "input", "launch")), host=Host(check_paths=check_paths))
-    mounts = container.parse_mounts(cfg.cluster.container_mounts) if cfg.cluster.container_image else []
+    mounts = container.parse_mounts(cfg.cluster.container_mounts) if container.image_of(cfg.cluster) else []
     return LaunchPlan(
         cfg=cfg,
         recipe=recipe,

@@ -78,7 +78,7 @@ def _header(plan: LaunchPlan) -> List[str]:
         f"#SBATCH --ntasks-per-node={plan.tasks_per_node}",
     ]
     if plan.uses_gpus:
-        lines.append(f"#SBATCH --gpus-per-node={c.gpus_per_node}")
+        lines.append(f"#SBATCH {commands.gpu_flag(c)}")
     if plan.cpus_per_task:
         lines.append(f"#SBATCH --cpus-per-task={plan.cpus_per_task}")
     if c.mem is not None:

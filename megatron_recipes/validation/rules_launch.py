@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from megatron_recipes.config import container_flags as container
-from megatron_recipes.config.schema import LAUNCHERS, RunConfig
+from megatron_recipes.config.schema import GPU_REQUESTS, LAUNCHERS, RunConfig
 from megatron_recipes.config.slurm_syntax import (
     ENV_NAME, MEM, MEM_PER_UNIT, OWNED_OPTIONS, option_name, signal_name, time_limit_seconds,
 )
@@ -86,6 +86,14 @@ def _launcher(cfg: RunConfig, _host: Host) -> Optional[str]:
     return None if c.launcher in LAUNCHERS else f"cluster.launcher='{c.launcher}' is not one of {LAUNCHERS}"
 
 
+@rule("slurm.gpu_request", ["cluster.gpu_request"], f"cluster.gpu_request is one of {choices(GPU_REQUESTS)}",
+      "gpus-per-node where Slurm schedules with cons_tres, gres where GPUs are requested as --gres=gpu:N",
+      scope="launch")
+def _gpu_request(cfg: RunConfig, _host: Host) -> Optional[str]:
+    value = cfg.cluster.gpu_request
+    return None if value in GPU_REQUESTS else f"cluster.gpu_request='{value}' is not one of {GPU_REQUESTS}"
+
+
 @rule("slurm.cpus", ["cluster.cpus_per_task", "cluster.gpus_per_node"],
       "cluster.cpus_per_task (when set) is at least one CPU per rank of the node",
       lambda cfg: f"cluster.cpus_per_task >= {cfg.cluster.gpus_per_node}, or null for Slurm's default", scope="launch")
@@ -152,7 +160,7 @@ def _env_name(cfg: RunConfig, _host: Host) -> Optional[str]:
       scope="launch")
 def _container_image(cfg: RunConfig, host: Host) -> Optional[str]:
     c = cfg.cluster
-    if not c.container_image:
+    if not container.image_of(c):
         set_ = [f for f in ("container_mounts", "container_workdir") if getattr(c, f)]
         if set_:
             return f"{', '.join('cluster.' + f for f in set_)} asks for pyxis but cluster.container_image is unset"
@@ -163,9 +171,23 @@ def _container_image(cfg: RunConfig, host: Host) -> Optional[str]:
     return None
 
 
+@rule("slurm.container_chosen", ["cluster.container_image"],
+      "a GPU cluster's job names its container image, or says cluster.container_image=none",
+      "cluster.container_image=/path/to/image.sqsh (slurm/README.md builds one), or cluster.container_image=none "
+      "when every node has this very Python installation at the same path", scope="launch")
+def _container_chosen(cfg: RunConfig, _host: Host) -> Optional[str]:
+    c = cfg.cluster
+    if c.gpu_arch == "cpu" or c.container_image:
+        return None
+    import sys
+
+    return (f"cluster {c.name} has no cluster.container_image: the job would run {sys.executable} (this machine's "
+            "Python) on every node")
+
+
 def _mount_problems(cfg: RunConfig) -> List[str]:
     out = []
-    for entry in cfg.cluster.container_mounts if cfg.cluster.container_image else ():
+    for entry in cfg.cluster.container_mounts if container.image_of(cfg.cluster) else ():
         try:
             container.parse_mount(entry)
         except container.MountError as exc:
@@ -182,7 +204,7 @@ def _mount_syntax(cfg: RunConfig, _host: Host) -> Optional[str]:
 @rule("slurm.mount_source", ["cluster.container_mounts"], "container mount sources exist (judged on a host that has their filesystem)",
       "fix the path (or pass --skip-path-checks when rendering away from the cluster)", scope="launch")
 def _mount_source(cfg: RunConfig, host: Host) -> Optional[str]:
-    if not host.check_paths or not cfg.cluster.container_image:
+    if not host.check_paths or not container.image_of(cfg.cluster):
         return None
     sources = []
     for entry in cfg.cluster.container_mounts:
@@ -197,15 +219,27 @@ def _mount_source(cfg: RunConfig, host: Host) -> Optional[str]:
       "use an absolute path", scope="launch")
 def _workdir(cfg: RunConfig, _host: Host) -> Optional[str]:
     w = cfg.cluster.container_workdir
-    if cfg.cluster.container_image and w and not w.startswith("/"):
+    if container.image_of(cfg.cluster) and w and not w.startswith("/"):
         return f"cluster.container_workdir='{w}' is not an absolute path"
     return None
 
 
+def _run_dir_fix(cfg: RunConfig) -> str:
+    """run.dir is the path the ranks see in the container: name it under a mount's target (or add a mount)."""
+    try:
+        targets = [m.target for m in container.parse_mounts(cfg.cluster.container_mounts)]
+    except container.MountError:
+        targets = []
+    under = (f"set run.dir to a path under a mount target as the container sees it (e.g. run.dir="
+             f"{targets[0].rstrip('/')}/<run name>)" if targets else "")
+    add = f"add a mount whose target holds it, e.g. cluster.container_mounts=['/host/folder:{cfg.run.dir}']"
+    return f"{under}, or {add}" if under else add
+
+
 @rule("slurm.run_dir_mounted", ["run.dir", "cluster.container_mounts"], "in a container, run.dir lies under a container mount",
-      lambda cfg: f"add a mount for it, e.g. cluster.container_mounts=['{cfg.run.dir}']", scope="launch")
+      _run_dir_fix, scope="launch")
 def _run_dir_mounted(cfg: RunConfig, _host: Host) -> Optional[str]:
-    if not cfg.cluster.container_image or _mount_problems(cfg):
+    if not container.image_of(cfg.cluster) or _mount_problems(cfg):
         return None
     if container.inside_any_mount(cfg.run.dir, container.parse_mounts(cfg.cluster.container_mounts)):
         return None
@@ -224,6 +258,6 @@ def _run_dir(cfg: RunConfig, _host: Host) -> Optional[str]:
 
 
 LAUNCH_RULES = [
-    _account, _time_limit, _preempt_signal, _preempt_lead, _max_restarts, _launcher, _cpus, _mem, _extra_format,
-    _extra_owned, _env_name, _container_image, _mount_syntax, _mount_source, _workdir, _run_dir_mounted, _run_dir,
+    _account, _time_limit, _preempt_signal, _preempt_lead, _max_restarts, _launcher, _gpu_request, _cpus, _mem, _extra_format,
+    _extra_owned, _env_name, _container_chosen, _container_image, _mount_syntax, _mount_source, _workdir, _run_dir_mounted, _run_dir,
 ]
