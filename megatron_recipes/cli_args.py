@@ -71,6 +71,19 @@ def help_text(prog: str, flags: Mapping[str, FlagSpec], positional: Sequence[str
     return "\n".join(lines)
 
 
+def hydra_cfg(value: Optional[str], cfg) -> bool:
+    """Hydra's ``--cfg job`` (also ``all``): print the resolved recipe and stop; True when printed."""
+    if value is None:
+        return False
+    if value not in ("job", "all"):
+        raise RecipeError(f"--cfg {value}: this tool prints the recipe (--cfg job); it has no Hydra settings of its own",
+                          fix="use --cfg job")
+    from megatron_recipes.config.compose import to_yaml
+
+    print(to_yaml(cfg), end="")
+    return True
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     value = int(text)  # ValueError: argparse names the flag and the value

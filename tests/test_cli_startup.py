@@ -29,6 +29,8 @@ QUICK = [
     (["plan", "tiny_llama_cpu", "--serch"], 2),
     (["plan", "tiny_llama_cpu", "train.train_iter=3"], 2),
     (["plan", "no_such_recipe"], 2),
+    (["train", "tiny_llama_cpu", "--cfg", "job"], 0),
+    (["plan", "tiny_llama_cpu", "--cfg", "job", "parallel.tp=1"], 0),
 ]
 
 
@@ -57,3 +59,12 @@ def test_the_process_patches_are_applied_when_megatron_core_is_first_imported():
     from megatron_recipes.runtime.patches import rows
 
     assert set(got["applied"]) >= {p.name for p in rows("process") if not p.on_object}, got
+
+
+def test_cfg_job_prints_the_resolved_recipe_that_composes_back(tmp_path):
+    from megatron_recipes.config.compose import compose_recipe, from_yaml
+
+    _, output = _run(["train", "tiny_llama_cpu", "--cfg", "job", "parallel.tp=1", "train.train_iters=7"])
+    text = output[: output.rindex("{")]  # the YAML, then the probe's JSON line
+    (tmp_path / "config.yaml").write_text(text)
+    assert from_yaml(tmp_path / "config.yaml") == compose_recipe("tiny_llama_cpu", ["parallel.tp=1", "train.train_iters=7"])

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from rich.console import Console
 
-from megatron_recipes.cli_args import positive_int, split_args
+from megatron_recipes.cli_args import hydra_cfg, positive_int, split_args
 from megatron_recipes.config.compose import compose_recipe, to_yaml
 from megatron_recipes.config.errors import RecipeError, ValidationError
 from megatron_recipes.config.schema import RunConfig
@@ -23,7 +23,7 @@ from megatron_recipes.plan.search import INPUT_RULES, PLAN_RULES  # `plan` names
 from megatron_recipes.validation.validate import validate
 
 PROG = "megatron-recipes plan"
-FLAGS = {"search": False, "picture": True, "show-config": False, "json": False, "all-groups": False, "top": positive_int,
+FLAGS = {"cfg": True, "search": False, "picture": True, "show-config": False, "json": False, "all-groups": False, "top": positive_int,
          "rules": False}
 MEMORY_RULE = "memory.fits"
 
@@ -82,6 +82,8 @@ def main(argv: Sequence[str]) -> int:
         raise RecipeError(f"{PROG}: missing recipe", fix=f"usage: {PROG} <recipe> [key=value ...] [--search] [--picture out.png]")
     recipe = args.recipe
     cfg = compose_recipe(recipe, args.overrides)
+    if hydra_cfg(args.flags.get("cfg"), cfg):
+        return 0
     console = _console()
     as_json = bool(args.flags.get("json"))
     if args.flags.get("show-config") and not as_json:

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import List, Sequence
 
-from megatron_recipes.cli_args import split_args
+from megatron_recipes.cli_args import hydra_cfg, split_args
 from megatron_recipes.config import derived
 from megatron_recipes.config.errors import RecipeError
 
@@ -46,8 +46,8 @@ def under_launcher() -> bool:
 def _compose(argv: Sequence[str]):
     from megatron_recipes.config.compose import compose_recipe
 
-    args = split_args(argv, PROG)
-    return args.recipe, compose_recipe(args.recipe, args.overrides)
+    args = split_args(argv, PROG, flags={"cfg": True})
+    return args, compose_recipe(args.recipe, args.overrides)
 
 
 def set_rank_environment(cfg, environ=os.environ) -> List[str]:
@@ -132,7 +132,10 @@ def main(argv: List[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: {PROG} <recipe> [key=value ...]\n\n{__doc__}")
         return 0
-    recipe, cfg = _compose(argv)  # once per process: composition costs seconds of CPU
+    args, cfg = _compose(argv)  # once per process: composition costs seconds of CPU
+    recipe = args.recipe
+    if hydra_cfg(args.flags.get("cfg"), cfg):  # --cfg job: the resolved recipe, nothing trained
+        return 0
     if under_launcher():
         return run_rank(recipe, cfg)
     from megatron_recipes.training.loop import NothingToTrain, validate
