@@ -98,15 +98,16 @@ def train(
     env: Optional[Dict[str, str]] = None,
     self_spawn: bool = False,
 ) -> Run:
-    """``torchrun --nproc_per_node <nproc> -m megatron_recipes.train <recipe> ...``; never raises on failure.
+    """The trainer's ranks (``python -m megatron_recipes.train <recipe> ...`` each, under a launcher's
+    environment when ``nproc`` > 1) forked from the session's preloaded server; never raises on failure.
 
-    torchrun directly saves one interpreter per run; ``self_spawn`` runs ``python -m megatron_recipes.train``
-    as a user does (it validates once, then starts its own ranks). One rank always runs the latter.
+    ``self_spawn`` runs ``python -m megatron_recipes.train`` as a user does instead, a fresh interpreter that
+    validates once and starts its own torchrun ranks (the local launcher's own tests use it).
     """
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     cmd = command(run_dir, cache_dir, overrides, nproc, recipe)
-    if nproc > 1 and not self_spawn:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *cmd[1:]]
+    if not self_spawn:
+        return _forked(run_dir, cmd, nproc, timeout, env)
     proc = subprocess.run(
         cmd,
         capture_output=True,
@@ -116,6 +117,28 @@ def train(
         cwd=str(run_dir.parent),
     )
     return Run(proc.returncode, proc.stdout + proc.stderr, Path(run_dir))
+
+
+def _forked(run_dir: Path, cmd: List[str], nproc: int, timeout: float, env: Optional[Dict[str, str]]) -> Run:
+    """The ranks of ``python -m megatron_recipes.train ...`` forked from the session's preloaded server, with
+    the environment a launcher gives them (as ``check`` starts its runs: check/ranks.py): the same entry and
+    trainer as under torchrun, without paying the imports of torch and megatron-core again per process."""
+    import tempfile
+
+    from megatron_recipes.check import ranks
+
+    fd, log = tempfile.mkstemp(prefix="train-", suffix=".log")
+    os.close(fd)
+    try:
+        job = ranks.start(tuple(cmd[1:3]), cmd[3:], _env(env), log, nproc, cwd=str(run_dir.parent))
+        try:
+            code = job.wait(timeout)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            raise
+        return Run(code, Path(log).read_text(encoding="utf-8", errors="replace"), Path(run_dir))
+    finally:
+        os.unlink(log)
 
 
 def start(run_dir: Path, cache_dir: Path, *overrides: str, nproc: int = 1, recipe: str = "tiny_llama_cpu") -> subprocess.Popen:

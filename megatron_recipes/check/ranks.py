@@ -66,9 +66,11 @@ def stop() -> None:
     server._stop()
 
 
-def _rank(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: str) -> None:
-    """One rank, in the forked child: the run's environment and log, then ``python <entry> <argv>``."""
+def _rank(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: str, cwd: Optional[str] = None) -> None:
+    """One rank, in the forked child: the run's environment, folder and log, then ``python <entry> <argv>``."""
     os.setpgid(0, 0)  # its own group: stopping the run stops whatever this rank starts (checkpoint writers)
+    if cwd is not None:
+        os.chdir(cwd)
     os.environ.clear()  # the server's environment is that of its start: take the run's
     os.environ.update(env)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -115,7 +117,8 @@ class Run:
     As torchrun does, the first rank that fails stops the others (a rank would wait for a dead peer
     until the gloo timeout); the run's code is that rank's (a signal or a code above 127 becomes 1)."""
 
-    def __init__(self, ctx, entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: str, ranks: int):
+    def __init__(self, ctx, entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: str, ranks: int,
+                 cwd: Optional[str] = None):
         self.args = [sys.executable, *entry, *argv]
         self.returncode: Optional[int] = None
         self._failed: Optional[int] = None
@@ -126,7 +129,7 @@ class Run:
         self.procs = []
         for rank in range(ranks):
             rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank)) if ranks > 1 else base
-            proc = ctx.Process(target=_rank, args=(tuple(entry), tuple(argv), rank_env, log), name=f"rank{rank}")
+            proc = ctx.Process(target=_rank, args=(tuple(entry), tuple(argv), rank_env, log, cwd), name=f"rank{rank}")
             proc.start()
             self.procs.append(proc)
 
@@ -167,6 +170,8 @@ class Run:
             _kill_group(proc.pid, running=False)  # a child the rank started just before it died
 
 
-def start(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: str, ranks: int) -> Run:
-    return Run(context(), entry, argv, env, log, ranks)
+def start(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: str, ranks: int,
+          cwd: Optional[str] = None) -> Run:
+    """The ranks of one run, forked from the server (``cwd``: the folder they run in; default the server's)."""
+    return Run(context(), entry, argv, env, log, ranks, cwd)
 

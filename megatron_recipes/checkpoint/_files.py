@@ -181,16 +181,22 @@ def require_folder_or_nothing(root: Path) -> None:
 
 def require_writable(root: Path) -> None:
     """The checkpoints folder can take a save: refused before training, not at the first save an hour in
-    (a read-only mount, a folder of another user, a file in the way)."""
+    (a read-only mount, a folder of another user, a file in the way). Creates nothing: the probe goes into
+    the folder, or the nearest folder above it that exists (where the save would create it)."""
     require_folder_or_nothing(root)
-    probe = root / f".write-test-{os.getpid()}"
+    existing = Path(root)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.is_symlink() and not existing.exists() or not existing.is_dir():
+        raise RecipeError(f"checkpoints cannot be written to '{root}': '{existing}' is not a folder",
+                          fix="set run.dir to a folder you can write to (or checkpoint.save=false to train without saving)")
+    probe = existing / f".megatron-recipes-write-test-{os.getpid()}"
     try:
-        root.mkdir(parents=True, exist_ok=True)
         probe.touch()
         probe.unlink()
     except OSError as exc:
         raise RecipeError(
-            f"checkpoints cannot be written to '{root}': {exc.strerror or exc}",
+            f"checkpoints cannot be written to '{root}': {exc.strerror or exc} ({existing})",
             fix="set run.dir to a folder you can write to (or checkpoint.save=false to train without saving)",
         ) from None
 
