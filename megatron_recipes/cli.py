@@ -47,6 +47,9 @@ class _ProcessPatches(importlib.abc.MetaPathFinder):
 
 
 def _patch_before_megatron_core() -> None:
+    from megatron_recipes.runtime import mcore_compat  # no torch: the installed release's metadata only
+
+    mcore_compat.require_supported()  # now, in this process: some commands use megatron-core in children only
     if "megatron.core" in sys.modules:  # already imported (an embedding program): apply now
         from megatron_recipes.runtime import patches
 
@@ -66,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = picked
     module_name, func_name = SUBCOMMANDS[name][0].split(":")
+    wants_help = any(a in ("-h", "--help") for a in rest)
     try:
-        if name in USE_MEGATRON_CORE:  # others (data preprocess) must not even import torch
+        if name in USE_MEGATRON_CORE and not wants_help:  # others (data preprocess) must not even import torch
             _patch_before_megatron_core()
         func = getattr(importlib.import_module(module_name), func_name)
         return int(func(rest) or 0)

@@ -85,6 +85,18 @@ def _kind(mode: int) -> Optional[str]:
     return "special file"
 
 
+def cannot_write_in(folder: Union[str, Path]) -> Optional[str]:
+    """Why a file cannot be created in ``folder`` (an existing folder), or None: a probe file made and
+    removed, since permission bits say nothing on a read-only mount (and nothing at all to root)."""
+    probe = Path(folder) / f".megatron-recipes-write-test-{socket.gethostname()}-{os.getpid()}"
+    try:
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        return f"{exc.strerror or exc} ({exc.filename or folder})"
+    return None
+
+
 def require_replaceable(path: Union[str, Path]) -> None:
     """Refuse to write over anything but a regular file: a rename would turn a symlink, a FIFO or a device
     node into a plain file (and, as root, destroy ``/dev/...``)."""

@@ -153,8 +153,14 @@ def test_export_refuses_a_checkpoint_of_another_model(llama, tmp_path):
     shutil.copy(other / "config.yaml", ours / "config.yaml")
     with pytest.raises(RecipeError, match="ffn_hidden_size"):
         run_export(ours, tmp_path / "hf_out", progress=False)
-    # matching description files, but the tensors of another model
+    # matching description files, but the tensors of another model: the checksum record (another model's
+    # files) names the mismatch; without a record (a checkpoint saved before them) the shape check does
     shutil.copy(other / "meta.json", ours / "meta.json")
+    with pytest.raises(RecipeError, match=r"is damaged: .* differ from what was saved"):
+        run_export(ours, tmp_path / "hf_out", progress=False)
+    meta = json.loads((ours / "meta.json").read_text())
+    del meta["files"]
+    (ours / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(RecipeError, match=r"decoder\.layers\.mlp\.linear_fc1\.weight: checkpoint shape \(4, 192, 64\)"):
         run_export(ours, tmp_path / "hf_out", progress=False)
     _nothing_left(tmp_path, "hf_out")

@@ -190,15 +190,10 @@ def require_writable(root: Path) -> None:
     if existing.is_symlink() and not existing.exists() or not existing.is_dir():
         raise RecipeError(f"checkpoints cannot be written to '{root}': '{existing}' is not a folder",
                           fix="set run.dir to a folder you can write to (or checkpoint.save=false to train without saving)")
-    probe = existing / f".megatron-recipes-write-test-{os.getpid()}"
-    try:
-        probe.touch()
-        probe.unlink()
-    except OSError as exc:
-        raise RecipeError(
-            f"checkpoints cannot be written to '{root}': {exc.strerror or exc} ({existing})",
-            fix="set run.dir to a folder you can write to (or checkpoint.save=false to train without saving)",
-        ) from None
+    why = files.cannot_write_in(existing)
+    if why:
+        raise RecipeError(f"checkpoints cannot be written to '{root}': {why}",
+                          fix="set run.dir to a folder you can write to (or checkpoint.save=false to train without saving)")
 
 
 def latest(where: Union[RunConfig, Path]) -> Optional[Path]:

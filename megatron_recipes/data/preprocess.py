@@ -100,14 +100,13 @@ def check_output_prefix(output_prefix: str, overwrite: bool) -> None:
     folder = Path(output_prefix).parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".{Path(output_prefix).name}.write-test-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
     except OSError as exc:
-        raise RecipeError(
-            f"cannot write output_prefix={output_prefix}: {exc.strerror} ({exc.filename or folder})",
-            fix="choose an output_prefix in a folder you can write to",
-        ) from None
+        raise RecipeError(f"cannot write output_prefix={output_prefix}: {exc.strerror} ({exc.filename or folder})",
+                          fix="choose an output_prefix in a folder you can write to") from None
+    why = files.cannot_write_in(folder)
+    if why:
+        raise RecipeError(f"cannot write output_prefix={output_prefix}: {why}",
+                          fix="choose an output_prefix in a folder you can write to")
 
 
 def _read_ahead(batches, depth: int = 2):
