@@ -64,8 +64,12 @@ def test_a_start_past_train_iters_is_refused(finished, tmp_path, cache):
 def test_a_resume_lists_what_it_changes_and_keeps_each_starts_recipe(finished, tmp_path, cache):
     run = _copy(finished, tmp_path)
     first = (run / "config.yaml").read_text()
-    more = ts.train(run, cache, *BASE, "train.train_iters=3", "optimizer.lr=0.5").check()
+    constant = ["optimizer.lr_decay_style=constant", "optimizer.lr_warmup_iters=0"]
+    more = ts.train(run, cache, *BASE, "train.train_iters=3", "optimizer.lr=0.5", *constant).check()
     assert "resuming with" in more.output and "optimizer.lr:" in more.output and "-> 0.5" in more.output, more.output[-3000:]
+    # and the new lr is what the resumed step ran with (before: the loaded param groups kept the old max_lr on
+    # megatron-core 0.16, so the listed change never happened; 0.19 raised a KeyError in load_state_dict)
+    assert [r["data"]["lr"] for r in more.records() if r["step"] == 3] == [0.5], more.records()
     kept = sorted(p.name for p in (run / "configs").iterdir())
     assert kept == ["start_step_0000000.yaml", "start_step_0000002.yaml"]
     assert (run / "configs" / "start_step_0000000.yaml").read_text() == first

@@ -103,14 +103,45 @@ def regroup_optimizer_state(loaded: Dict[Any, Any], saved_parts: int, parts_now:
     return {i: part for i, part in enumerate(rebuilt)} if parts_now > 1 else rebuilt[0]
 
 
+# Param-group values the recipe sets (optimizer.lr, min_lr, weight_decay) and the scheduler reads from each group;
+# the other identity keys describe which parameters a group holds. A resume keeps the groups, takes these
+# from the recipe: saved ones made a changed optimizer.lr silently ignored (0.16: the loaded groups kept the
+# old max_lr) or a KeyError inside megatron-core (0.19 matches groups by all of them).
+_SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
+_GROUP_KEYS = ("wd_mult", "pre_wd_mult", "lr_mult", "pre_lr_mult", "is_expert_parallel", "is_decoupled_lr", "optimizer")
+
+
+def _group_kind(group: Dict[str, Any]) -> tuple:
+    return tuple((k, repr(group.get(k))) for k in _GROUP_KEYS)
+
+
+def _saved_groups(loaded: Dict[Any, Any]) -> List[Dict[str, Any]]:
+    parts = [loaded[k] for k in sorted(k for k in loaded if isinstance(k, int))] or [loaded]
+    return [g for part in parts for g in (part.get("optimizer") or {}).get("param_groups", [])]
+
+
+def take_schedule_from_recipe(optimizer, loaded: Dict[Any, Any]) -> None:
+    """Each saved param group's schedule values become those this run's optimizer was built with."""
+    now: Dict[tuple, Dict[str, Any]] = {}
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        for group in getattr(getattr(part, "optimizer", None), "param_groups", []):
+            now.setdefault(_group_kind(group), {k: group[k] for k in _SCHEDULE_KEYS if k in group})
+    for group in _saved_groups(loaded):
+        values = now.get(_group_kind(group))
+        if values is not None:
+            group.update(values)
+
+
 def load_optimizer(optimizer, loaded: Dict[str, Any]) -> None:
-    """``optimizer.load_state_dict`` plus a fix for a megatron-core 0.16 bug that breaks exact resume.
+    """``optimizer.load_state_dict`` with the schedule values of this run's recipe
+    (``take_schedule_from_recipe``), plus a fix for a megatron-core 0.16 bug that breaks exact resume.
 
     Without Apex/Transformer Engine (the CPU lane, or a GPU image without them) its
     ``DistributedOptimizer.load_state_dict`` gives every parameter's Adam state the *same* ``step``
     tensor; torch's Adam increments ``step`` in place once per parameter, so after the first resumed
     step the bias correction uses step+N for N parameters. Each parameter gets its own copy here.
     """
+    take_schedule_from_recipe(optimizer, loaded)
     optimizer.load_state_dict(loaded)
     for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         inner = getattr(part, "optimizer", None)
