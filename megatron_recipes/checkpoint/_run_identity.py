@@ -136,9 +136,15 @@ def changed_settings(ckpt: Path, cfg: RunConfig) -> List[str]:
     return [f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in keys if then.get(k) != now.get(k)]
 
 
-def describe_changes(ckpt: Path, cfg: RunConfig) -> Tuple[str, ...]:
-    """The log lines for the settings this resume changes (none when it changes nothing)."""
+def notes(ckpt: Path, meta: Dict[str, Any], now: Dict[str, Any], cfg: RunConfig) -> Tuple[str, ...]:
+    """The log lines of an accepted resume: the settings it changes, and a new data phase when accepted."""
+    out = []
     changes = changed_settings(ckpt, cfg)
-    if not changes:
-        return ()
-    return (f"resuming with {len(changes)} changed setting(s) (safe to change between segments): " + "; ".join(changes),)
+    if changes:
+        out.append(f"resuming with {len(changes)} changed setting(s) (safe to change between segments): "
+                   + "; ".join(changes))
+    saved = meta.get(KEY)
+    if cfg.checkpoint.accept_new_data and isinstance(saved, dict) and problems(saved, now, accept_new_data=False):
+        out.append("checkpoint.accept_new_data=true: this segment trains on other data than the checkpoint's; "
+                   "the optimizer state and the sample count carry over")
+    return tuple(out)

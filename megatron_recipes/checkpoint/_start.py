@@ -73,15 +73,11 @@ class Start:
         must be this start's; the settings a segment may change are listed on rank 0."""
         if self.resume_from is None:
             return
-        _run_identity.check_resume(self.resume_from, store.read_meta(self.resume_from), identity, self.cfg)
+        meta = store.read_meta(self.resume_from)
+        _run_identity.check_resume(self.resume_from, meta, identity, self.cfg)
         if torch.distributed.get_rank() == 0:
-            for line in _run_identity.describe_changes(self.resume_from, self.cfg):
+            for line in _run_identity.notes(self.resume_from, meta, identity, self.cfg):
                 print(line, flush=True)
-            if self.cfg.checkpoint.accept_new_data and _run_identity.problems(
-                store.read_meta(self.resume_from).get(_run_identity.KEY) or {}, identity, accept_new_data=False
-            ):
-                print("checkpoint.accept_new_data=true: this segment trains on other data than the checkpoint's; "
-                      "the optimizer state and the sample count carry over", flush=True)
 
     def load_weights(self, chunks: List[torch.nn.Module]) -> None:
         """Into the bare GPTModel chunks, before PEFT and wrapping; a missing path is an error, never a
