@@ -254,3 +254,12 @@ def test_a_checkpoint_without_common_pt_is_refused_by_a_release_that_needs_it(tm
         with pytest.raises(RecipeError, match=r"written by megatron-core 0\.19\.2.*common\.pt") as err:
             store.require_readable_here(new, store.read_meta(new))
         assert "pip install 'megatron-core>=0.19" in err.value.render()
+
+
+def test_a_run_dir_resolves_to_its_latest_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(RecipeError, match="no complete checkpoint"):
+        store.resolve_dir((run / store.CHECKPOINTS).mkdir(parents=True) or run)
+    _fake(run / store.CHECKPOINTS, 1)
+    newest = _fake(run / store.CHECKPOINTS, 5)
+    assert store.resolve_dir(run) == newest  # what train writes under run.dir, as generate/export/eval are given it

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-import train_support as ts
+from finetuned_support import readme_lora
 from megatron_recipes.config.compose import compose_recipe
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.data.sft import builtin_tasks
@@ -94,17 +94,10 @@ def test_missing_main_job_checkpoint_says_run_it_first(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_lora_after_the_main_job_logs_rising_task_accuracy(tmp_path):
-    """The README's order in miniature: a short main job, then tiny_llama_lora with no data or checkpoint
-    argument (its defaults find both); the accuracy it logs at step 0 and after training must rise."""
-    cache = tmp_path / "cache"
-    small = ["data.builtin_max_files=80", "data.builtin_vocab_size=600", "model.vocab_size=640"]
-    # ts.train runs each job from its run dir's parent: the LoRA run's folder is tmp/work, where the
-    # recipe's default checkpoint.pretrained=runs/tiny_llama_cpu/checkpoints must then be found
-    ts.train(tmp_path / "work" / "runs" / "tiny_llama_cpu", cache, "train.train_iters=30", "logging.plot=false",
-             "logging.tensorboard=false", *small, nproc=2).check()
-    lora = ts.train(tmp_path / "work" / "lora", cache, *small, "logging.plot=false", "logging.tensorboard=false",
-                    nproc=2, recipe="tiny_llama_lora").check()
+def test_lora_after_the_main_job_logs_rising_task_accuracy(shared_runs):
+    """The README's order in miniature (finetuned_support): the accuracy logged at step 0 and after
+    training must rise."""
+    lora = readme_lora(shared_runs).lora
     acc = lora.series("task_accuracy")
     steps = [r["step"] for r in lora.records() if "task_accuracy" in r["data"]]
     assert steps and steps[0] == 0 and len(acc) >= 3, lora.output[-3000:]

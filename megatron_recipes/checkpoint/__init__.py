@@ -40,6 +40,7 @@ from megatron_recipes.checkpoint._files import (
 from megatron_recipes.checkpoint._files import resolve_dir as resolve
 from megatron_recipes.checkpoint._identity import check_same_model
 from megatron_recipes.checkpoint._formats import choose as optimizer_format_for
+from megatron_recipes.checkpoint._run_identity import KEY as IDENTITY_KEY
 from megatron_recipes.checkpoint._run_identity import run_identity
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ __all__ = [
     "restricted_loading",
     "root_cause",
     "run_identity",
+    "IDENTITY_KEY",
     "save",
     "start_of",
     "step_of",

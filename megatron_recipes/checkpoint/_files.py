@@ -243,7 +243,8 @@ def record_resume(root: Path, step: int) -> bool:
 
 
 def resolve_dir(path: Path) -> Path:
-    """A checkpoint folder from either the folder itself or a checkpoints root holding complete ones."""
+    """A checkpoint folder from the folder itself, a checkpoints root holding complete ones (its latest), or
+    a run dir (its checkpoints root's latest)."""
     path = Path(path).expanduser()
     if path.is_symlink() and not path.exists():
         raise RecipeError(f"checkpoint path '{path}' is a symbolic link to nothing (broken, or a loop)",
@@ -261,11 +262,13 @@ def resolve_dir(path: Path) -> Path:
                 fix="use a complete iter_NNNNNNN folder, or the checkpoints folder to pick its latest complete one",
             )
         return path
+    if (path / CHECKPOINTS).is_dir() and latest(path) is None:  # a run dir: its checkpoints folder
+        path = path / CHECKPOINTS
     found = latest(path)
     if found is None:
         raise RecipeError(
             f"'{path}' holds no complete checkpoint (no iter_NNNNNNN folder with {META})",
-            fix="point at a checkpoint folder written by megatron-recipes train/convert",
+            fix="point at a run dir, a checkpoints folder or a checkpoint folder written by megatron-recipes train/convert",
         )
     return found
 

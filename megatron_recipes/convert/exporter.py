@@ -30,6 +30,7 @@ from megatron_recipes.convert.dcp_io import CheckpointReader
 from megatron_recipes.families.hf_config import ROPE_KEYS, transformers_major
 from megatron_recipes.convert.importer import HF_ASSETS, WEIGHT_FILES
 from megatron_recipes.convert.memory import PeakRss, gib
+from megatron_recipes.convert.run_assets import RunAssets, RunTokenizer
 from megatron_recipes.convert.safetensors_io import INDEX_NAME, ShardedSafetensorsWriter
 from megatron_recipes.convert.target import Item, checkpoint_layout
 from megatron_recipes.families.transforms import Ctx
@@ -49,25 +50,34 @@ class ExportReport:
     baseline_rss: int
     largest_item: int
     assets_from: Optional[Path]
+    run_assets: Optional["RunAssets"] = None
 
     def summary(self) -> str:
         rate = self.bytes_written / max(self.seconds, 1e-9) / (1 << 20)
         over = self.peak_rss - self.baseline_rss
-        where = f"config/tokenizer files from {self.assets_from}" if self.assets_from else "config derived from the checkpoint (no tokenizer files found)"
+        where = f"config/tokenizer files from {self.assets_from}" if self.assets_from else "config derived from the checkpoint"
+        tokenizer = f"\n{self.run_assets.summary()}" if self.run_assets is not None else ""
         return (
             f"wrote {gib(self.bytes_written)} in {self.seconds:.1f} s ({rate:.0f} MB/s; {self.total_seconds:.1f} s in all) "
-            f"to {self.hf_dir}; {where}\n"
+            f"to {self.hf_dir}; {where}{tokenizer}\n"
             f"peak RSS {gib(self.peak_rss)} ({gib(over)} over the {gib(self.baseline_rss)} before writing; "
             f"largest tensor group {gib(self.largest_item)}, ratio {over / max(self.largest_item, 1):.2f})"
         )
 
 
 def find_assets(resolved: Path, cfg: RunConfig, explicit: Optional[Path]) -> Optional[Path]:
-    """Where config.json/tokenizer files come from: ``hf_assets=``, the import's ``hf/``, or the run's pretrained one."""
+    """Where config.json/tokenizer files come from: ``hf_assets=`` (a HF model folder, or a tokenizer-only
+    one: the config is then derived from the checkpoint), the import's ``hf/``, or the run's pretrained one."""
     if explicit is not None:
-        if not (Path(explicit) / "config.json").is_file():
-            raise RecipeError(f"hf_assets={explicit} has no config.json", fix="point at the original HF model folder")
-        return Path(explicit)
+        from megatron_recipes.convert.run_assets import has_tokenizer
+
+        folder = Path(explicit).expanduser()
+        if not (folder / "config.json").is_file() and not has_tokenizer(folder):
+            raise RecipeError(
+                f"hf_assets={explicit} holds neither a config.json nor tokenizer files",
+                fix="point at the original HF model folder, or at a tokenizer folder (tokenizer.json / tokenizer_config.json)",
+            )
+        return folder
     candidates = [resolved.parent / HF_ASSETS]
     if cfg.checkpoint.pretrained:
         candidates.append(Path(cfg.checkpoint.pretrained).expanduser() / HF_ASSETS)
@@ -78,7 +88,8 @@ def hf_config_for(cfg: RunConfig, family: families.Family, assets: Optional[Path
     """The HF config object: the original fields kept, the architecture re-derived from the checkpoint."""
     from transformers import AutoConfig
 
-    base: Dict[str, Any] = json.loads((assets / "config.json").read_text()) if assets else {}
+    config_file = assets / "config.json" if assets else None
+    base: Dict[str, Any] = json.loads(config_file.read_text()) if config_file and config_file.is_file() else {}
     if base and base.get("model_type") not in (None, family.model_type):
         raise RecipeError(
             f"{assets}/config.json is a {base.get('model_type')} model, the checkpoint a {family.model_type} one",
@@ -131,7 +142,10 @@ def run_export(
     dtype: Optional[str] = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD,
     progress: bool = True,
+    trained_run: Optional[Tuple[RunConfig, Path, Dict[str, Any]]] = None,
 ) -> ExportReport:
+    """``trained_run`` (recipe, checkpoint, meta): the run whose tokenizer and chat template the export
+    carries, when not the checkpoint's own (a merged PEFT export writes a temporary checkpoint first)."""
     from megatron_recipes.progress import Progress
 
     began = time.perf_counter()
@@ -159,6 +173,7 @@ def run_export(
     assets = find_assets(resolved, cfg, hf_assets)
     main_dtype = max(set(out_dtypes.values()), key=lambda d: sum(i.nbytes for i in items if out_dtypes[i.key] == d))
     hf_config = hf_config_for(cfg, family, assets, main_dtype)
+    run_tokenizer = RunTokenizer(*(trained_run or (cfg, resolved, meta)), hf_assets)  # checked before writing
     flags = dict(family.flags_from_hf(hf_config))
     plan: List[Tuple[Item, Ctx]] = [(it, Ctx(cfg.model, it.layer, it.expert, flags)) for it in items]
     entries = []
@@ -195,7 +210,8 @@ def run_export(
             for path in sorted(assets.iterdir()):
                 if path.is_file() and path.name != "config.json" and not WEIGHT_FILES.fullmatch(path.name):
                     shutil.copy2(path, tmp / path.name)
+        extra = run_tokenizer.write(tmp, assets)
     return ExportReport(
         hf_dir, time.perf_counter() - start, time.perf_counter() - began, total, peak.result.peak, peak.result.baseline,
-        largest, assets,
+        largest, assets, extra,
     )

@@ -37,6 +37,7 @@ from megatron_recipes import families
 from megatron_recipes.convert import staging
 from megatron_recipes.convert.exporter import DEFAULT_MAX_SHARD, find_assets, hf_config_for, run_export
 from megatron_recipes.convert.layout import with_parallel
+from megatron_recipes.convert.run_assets import RunAssets, RunTokenizer
 from megatron_recipes.families.transforms import Ctx
 from megatron_recipes.convert.verify import (
     SMALL_MODEL_PARAMS,
@@ -45,6 +46,7 @@ from megatron_recipes.convert.verify import (
     forward_logits,
     hf_logits,
     prompt_tokens,
+    stored_vocab_rows,
     table,
 )
 from megatron_recipes.models.builder import build_model_chunks
@@ -66,10 +68,16 @@ class PeftExportReport:
     kind: str  # "adapter" | "merged"
     tensors: int
     target_modules: List[str]
+    run_assets: Optional[RunAssets] = None
 
     def summary(self) -> str:
         what = "HF PEFT LoRA adapter" if self.kind == "adapter" else "merged HF model"
-        return f"wrote a {what} to {self.out_dir} ({self.tensors} tensors; modules: {', '.join(self.target_modules)})"
+        line = f"wrote a {what} to {self.out_dir} ({self.tensors} tensors; modules: {', '.join(self.target_modules)})"
+        return line + (f"\n{self.run_assets.summary()}" if self.run_assets is not None else "")
+
+
+def config_saved(config: Dict) -> List[str]:
+    return [f"{name} (whole)" for name in config.get("modules_to_save") or []]
 
 
 def is_peft_checkpoint(ckpt: Path) -> bool:
@@ -77,9 +85,12 @@ def is_peft_checkpoint(ckpt: Path) -> bool:
     return peft_active(cfg)
 
 
-def _single_rank(cfg: RunConfig) -> RunConfig:
-    """One rank, TP=PP=1; float32 for models small enough to verify (exact merge and logits check)."""
+def _single_rank(cfg: RunConfig, meta: Optional[Dict] = None) -> RunConfig:
+    """One rank, TP=PP=1, the checkpoint's vocabulary rows; float32 for models small enough to verify
+    (exact merge and logits check)."""
     single = with_parallel(cfg, ParallelConfig(), world=1)
+    if meta is not None:
+        single = dataclasses.replace(single, model=stored_vocab_rows(single.model, meta, 1))
     if model_params(single).total <= SMALL_MODEL_PARAMS:
         precision = dataclasses.replace(single.precision, name="fp32", params_dtype="fp32", fp8=None, fp4=None)
         single = dataclasses.replace(single, precision=precision)
@@ -94,7 +105,7 @@ def load_trained(ckpt: Path):
             f"checkpoint '{resolved}' is not from a PEFT run (its config.yaml has peft.method={run_cfg.peft.method})",
             fix="export it with `megatron-recipes convert export` without adapter_only",
         )
-    cfg = _single_rank(run_cfg)
+    cfg = _single_rank(run_cfg, meta)
     init_model_parallel(cfg)
     chunks = build_model_chunks(cfg)
     this_checkpoint = dataclasses.replace(cfg.checkpoint, load=str(resolved))
@@ -143,6 +154,8 @@ def adapter_tensors(cfg: RunConfig, chunk: torch.nn.Module, flags: Dict, dtype: 
             tensors[f"{PEFT_PREFIX}{module_name}.lora_A.weight"] = a
             for suffix, pieces in split.items():
                 tensors[f"{PEFT_PREFIX}{module_name}.{suffix}"] = torch.cat(list(pieces[hf_name]), dim=0)
+    saved = saved_modules(cfg, chunk, flags)
+    tensors.update({f"{PEFT_PREFIX}{name}": t for name, t in saved.items()})
     out = {}
     for name, t in tensors.items():
         t = t.to(dtype) if dtype is not None else t
@@ -150,7 +163,34 @@ def adapter_tensors(cfg: RunConfig, chunk: torch.nn.Module, flags: Dict, dtype: 
     return out, sorted(leaves)
 
 
-def adapter_config(p: PeftConfig, targets: List[str], base: Optional[str], dora: bool) -> Dict:
+def saved_modules(cfg: RunConfig, chunk: torch.nn.Module, flags: Dict) -> Dict[str, torch.Tensor]:
+    """``peft.modules_to_save`` weights under their HF names (padding rows cut, as a whole-model export cuts
+    them); HF PEFT stores a ``modules_to_save`` module's weight under its own name in the adapter file."""
+    family = families.by_name(cfg.model.family)
+    out: Dict[str, torch.Tensor] = {}
+    for module_name in cfg.peft.modules_to_save:
+        key = f"{module_name}.weight"
+        weight = dict(chunk.named_parameters()).get(key)
+        if weight is None:
+            raise RecipeError(f"peft.modules_to_save names {module_name}, which this model chunk does not hold", fix="this is a bug: report it")
+        ctx = Ctx(cfg.model, None, None, flags)
+        for hf_name, pieces in family.transform(key).pieces(weight.detach(), ctx).items():
+            out[hf_name] = torch.cat(list(pieces), dim=0)
+    return out
+
+
+def hf_module_names(cfg: RunConfig, flags: Dict) -> List[str]:
+    """The HF module names of ``peft.modules_to_save`` (``output_layer`` -> ``lm_head``), for adapter_config.json."""
+    family = families.by_name(cfg.model.family)
+    ctx = Ctx(cfg.model, None, None, flags)
+    names = []
+    for module_name in cfg.peft.modules_to_save:
+        for hf_name in family.transform(f"{module_name}.weight").hf_shapes((cfg.model.vocab_size, cfg.model.hidden_size), ctx):
+            names.append(hf_name[: -len(".weight")] if hf_name.endswith(".weight") else hf_name)
+    return names
+
+
+def adapter_config(p: PeftConfig, targets: List[str], base: Optional[str], dora: bool, saved: Optional[List[str]] = None) -> Dict:
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -165,7 +205,7 @@ def adapter_config(p: PeftConfig, targets: List[str], base: Optional[str], dora:
         "fan_in_fan_out": False,
         "inference_mode": True,
         "init_lora_weights": True,
-        "modules_to_save": None,
+        "modules_to_save": list(saved) if saved else None,
         "layers_to_transform": None,
         "rank_pattern": {},
         "alpha_pattern": {},
@@ -187,19 +227,14 @@ def export_adapter(
 
     out_dir = Path(out_dir).expanduser()
     staging.check_target(out_dir, overwrite, "adapter folder", staging.ADAPTER, {"ckpt_dir": ckpt, "hf_assets": hf_assets})
-    resolved, run_cfg, _ = checkpoint.read_run(ckpt)
+    resolved, run_cfg, meta = checkpoint.read_run(ckpt)
     method = methods.parse(run_cfg.peft.method) if not methods.why_not(run_cfg.peft.method) else None
     if method is not None and method.prefix:
         raise RecipeError(
             "P-Tuning v2 prefixes have no HF PEFT LoRA form", fix="adapter_only export covers lora, dora and qlora runs"
         )
-    if run_cfg.peft.modules_to_save:
-        raise RecipeError(
-            f"the run also trained {list(run_cfg.peft.modules_to_save)} whole (peft.modules_to_save); "
-            "an adapter-only export would leave them behind",
-            fix="export the merged model instead (drop adapter_only=true)",
-        )
     flags, assets = _hf_flags(run_cfg, resolved, hf_assets)
+    run_tokenizer = RunTokenizer(run_cfg, resolved, meta, hf_assets)  # checked before anything is loaded
     try:
         cfg, chunks, _ = load_trained(resolved)
         if len(chunks) != 1:
@@ -208,11 +243,12 @@ def export_adapter(
     finally:
         shutdown()
     base = str(assets) if assets is not None else run_cfg.checkpoint.pretrained
-    config = adapter_config(cfg.peft, leaves, base, methods.parse(cfg.peft.method).dora)
+    config = adapter_config(cfg.peft, leaves, base, methods.parse(cfg.peft.method).dora, hf_module_names(cfg, flags))
     with staging.atomic_dir(out_dir, staging.ADAPTER) as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    return PeftExportReport(out_dir, "adapter", len(tensors), leaves)
+        extra = run_tokenizer.write(tmp, None)  # tokenizer + chat template, stops
+    return PeftExportReport(out_dir, "adapter", len(tensors), leaves + config_saved(config), extra)
 
 
 def export_merged(
@@ -227,9 +263,10 @@ def export_merged(
     """Merged HF weights through the conversion engine's export; returns its ``ExportReport``."""
     hf_dir = Path(hf_dir).expanduser()
     staging.check_target(hf_dir, overwrite, "hf_dir", staging.HF_EXPORT, {"ckpt_dir": ckpt, "hf_assets": hf_assets})
-    resolved, run_cfg, meta = checkpoint.read_run(ckpt)
+    resolved, run_cfg, original_meta = checkpoint.read_run(ckpt)
     if hf_assets is None:
         _, hf_assets = _hf_flags(run_cfg, resolved, None)
+    RunTokenizer(run_cfg, resolved, original_meta, hf_assets)  # a wrong tokenizer is refused before the merge
     work = Path(tempfile.mkdtemp(prefix=".merged-", dir=str(hf_dir.parent if hf_dir.parent.exists() else Path.cwd())))
     try:
         try:
@@ -248,6 +285,7 @@ def export_merged(
             dtype=dtype,
             max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD,
             progress=progress,
+            trained_run=(run_cfg, resolved, original_meta),
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -104,14 +104,20 @@ class Job:
 def checkpoint_config(ckpt: Path, parallel: ParallelConfig, world: int) -> RunConfig:
     """The checkpoint's own recipe in float32 at ``parallel``, padding the vocabulary to its row count."""
     _, cfg, meta = checkpoint.read_run(ckpt)
-    rows = (meta.get("layout") or {}).get("padded_vocab_size")
-    model = cfg.model
-    if rows and rows % parallel.tp == 0 and derived.padded_vocab_size(model, parallel.tp) != rows:
-        model = dataclasses.replace(model, make_vocab_size_divisible_by=rows // parallel.tp)
     cfg = dataclasses.replace(
-        cfg, model=model, precision=dataclasses.replace(cfg.precision, name="fp32", params_dtype="fp32", fp8=None, fp4=None)
+        cfg, model=stored_vocab_rows(cfg.model, meta, parallel.tp),
+        precision=dataclasses.replace(cfg.precision, name="fp32", params_dtype="fp32", fp8=None, fp4=None),
     )
     return layouts.with_parallel(cfg, parallel, world)
+
+
+def stored_vocab_rows(model, meta: dict, tp: int):
+    """``model`` padding its vocabulary at ``tp`` to the rows the checkpoint stores (a run at TP=2 pads
+    vocab_size=640 to 768; read at TP=1 the default padding would give 640 rows and refuse it)."""
+    rows = (meta.get("layout") or {}).get("padded_vocab_size")
+    if rows and rows % tp == 0 and derived.padded_vocab_size(model, tp) != rows:
+        return dataclasses.replace(model, make_vocab_size_divisible_by=rows // tp)
+    return model
 
 
 def forward_logits(cfg: RunConfig, chunks: List[torch.nn.Module], tokens: torch.Tensor) -> Optional[torch.Tensor]:

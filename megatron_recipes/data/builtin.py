@@ -133,11 +133,14 @@ def _inputs(data: DataConfig) -> Tuple[dict, List[Path]]:
     return key, files
 
 
-def builtin_data_for(data: Optional[DataConfig] = None) -> BuiltinData:
-    """``ensure_builtin_data`` for a ``DataConfig`` alone (defaults when None), e.g. for the CLI."""
+def builtin_data_for(data: Optional[DataConfig] = None, build_missing: bool = True) -> Optional[BuiltinData]:
+    """``ensure_builtin_data`` for a ``DataConfig`` alone (defaults when None), e.g. for the CLI; with
+    ``build_missing=False``, None when it is not in the cache (an export does not rebuild a corpus)."""
     data = data if data is not None else DataConfig()
     key, files = _inputs(data)
     final = cache.cache_root(data.cache_dir) / "builtin" / cache.content_key(key)
+    if not build_missing and cache.read_marker(final) is None:
+        return None
 
     def build(tmp: Path) -> dict:
         docs = _read_documents(files)

@@ -88,13 +88,21 @@ def load_tokenizer_dir(path: str | Path) -> RecipeTokenizer:
     return RecipeTokenizer(read_tokenizer_dir(path))
 
 
-def tokenizer_source(tokenizer: str, cfg: Optional[RunConfig] = None) -> RecipeTokenizer:
-    """``builtin`` (built or reused from the cache) or a local directory."""
+def tokenizer_source(tokenizer: str, cfg: Optional[RunConfig] = None, build_missing: bool = True) -> RecipeTokenizer:
+    """``builtin`` (built or reused from the cache; refused when not built and ``build_missing`` is off)
+    or a local directory."""
     if tokenizer == BUILTIN:
         from megatron_recipes.data.builtin import builtin_data_for
 
         data = cfg.data if cfg is not None else None
-        return load_tokenizer_dir(builtin_data_for(data).tokenizer_dir)
+        built = builtin_data_for(data, build_missing)
+        if built is None:
+            where = data.cache_dir if data is not None and data.cache_dir else "the default data cache"
+            raise RecipeError(
+                f"the built-in tokenizer is not built in {where}",
+                fix="run `megatron-recipes data builtin` with the run's data.* settings, or pass the tokenizer folder",
+            )
+        return load_tokenizer_dir(built.tokenizer_dir)
     return load_tokenizer_dir(tokenizer)
 
 

@@ -49,10 +49,7 @@ def split(argv: Sequence[str]) -> Tuple[List[str], List[str], set]:
 
 def checkpoint_of(path: str) -> Path:
     """A run dir's (or checkpoints folder's) latest complete checkpoint, or the checkpoint folder given."""
-    given = Path(path).expanduser()
-    if (given / checkpoint.CHECKPOINTS).is_dir():
-        given = given / checkpoint.CHECKPOINTS
-    return checkpoint.resolve(given)
+    return checkpoint.resolve(Path(path))
 
 
 def layout_for(saved: dict, given: dict):

@@ -45,7 +45,7 @@ def _has_tokenizer(folder: Path) -> bool:
     return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
 
 
-def tokenizer_folder(cfg: RunConfig, ckpt: Path, explicit: Optional[str]):
+def tokenizer_folder(cfg: RunConfig, ckpt: Path, explicit: Optional[str], build_builtin: bool = True):
     """The tokenizer to generate with (see the module docstring); a ``RecipeTokenizer``."""
     from megatron_recipes.convert.exporter import find_assets
     from megatron_recipes.data.tokenizer import BUILTIN, load_tokenizer_dir, tokenizer_source
@@ -61,7 +61,7 @@ def tokenizer_folder(cfg: RunConfig, ckpt: Path, explicit: Optional[str]):
     if assets is not None and _has_tokenizer(assets):
         return load_tokenizer_dir(assets)
     if cfg.data.kind in ("builtin", "sft"):  # trained on the built-in tokenizer (built or reused from data.cache_dir)
-        return tokenizer_source(BUILTIN, cfg)
+        return tokenizer_source(BUILTIN, cfg, build_builtin)
     raise RecipeError(
         f"checkpoint '{ckpt}' names no tokenizer (data.tokenizer={cfg.data.tokenizer}, no tokenizer files beside it)",
         fix="pass tokenizer=<the HF tokenizer folder the model was trained with>",
