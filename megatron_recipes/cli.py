@@ -22,11 +22,12 @@ SUBCOMMANDS = {
     "slurm": ("megatron_recipes.slurm.cli:main", "render or submit sbatch scripts"),
     "report": ("megatron_recipes.report.cli:main", "write a run directory's report.html (also while it runs)"),
     "generate": ("megatron_recipes.generate.cli:main", "text from a run's checkpoint (megatron-core's inference engine)"),
+    "eval": ("megatron_recipes.evaluation.cli:main", "score a checkpoint: held-out loss, generated answers"),
     "list": ("megatron_recipes.config.listing:main", "the recipes, the config groups and their options"),
 }
 
 # subcommands that import megatron-core: the entry point applies runtime/patches.py's "process" scope first
-USE_MEGATRON_CORE = ("train", "plan", "check", "convert", "report")  # generate applies it after --help
+USE_MEGATRON_CORE = ("train", "plan", "check", "convert", "report")  # generate and eval apply it after --help
 
 USAGE = "usage: megatron-recipes <subcommand> <recipe> [key=value ...] [--flags]\n\nsubcommands:\n" + "\n".join(
     f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()

@@ -35,3 +35,54 @@ def readme_lora(shared_runs) -> FineTuned:
         return FineTuned(work, cache, base, lora)
 
     return shared_runs.get("readme-lora", make)
+
+
+def _convert(cwd: str, *args: str) -> dict:
+    """``convert`` in a child process (it opens its own process group), from the folder the runs were
+    started in (the LoRA recipe names its base relative to it); the rendered error, if any."""
+    import os
+
+    from megatron_recipes.config.errors import RecipeError
+    from megatron_recipes.convert.cli import main
+
+    os.chdir(cwd)
+    try:
+        return {"code": main(list(args)), "error": None}
+    except RecipeError as exc:
+        return {"code": 2, "error": exc.render()}
+
+
+def convert(run: FineTuned, *args: str) -> dict:
+    import peft_support as ps
+
+    return ps.run_ranks(1, _convert, str(run.root), *args)[0]
+
+
+def merged_export(shared_runs) -> Path:
+    """The LoRA run exported as a merged HF model (the CLI checks its logits against the trained model)."""
+    run = readme_lora(shared_runs)
+
+    def make() -> Path:
+        out = shared_runs.folder("readme-lora-merged") / "hf"
+        done = convert(run, "export", f"ckpt_dir={run.lora.run_dir}", f"hf_dir={out}", "--quiet", "--verify")
+        assert done == {"code": 0, "error": None}, done
+        return out
+
+    return shared_runs.get("readme-lora-merged", make)
+
+
+def hf_answers(folder: Path, questions, max_new_tokens: int = 32):
+    """transformers as a user runs the export: its chat template, greedy, its own stops; the new ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    answers = []
+    for question in questions:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt")
+        ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+        with torch.no_grad():
+            full = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, tokenizer=tokenizer)
+        answers.append(full[0, ids.shape[1]:].tolist())
+    return answers

@@ -12,37 +12,15 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
-from typing import List
 
 import pytest
 import torch
 
-import peft_support as ps
-from finetuned_support import readme_lora
+from finetuned_support import convert, hf_answers, merged_export, readme_lora
 
 pytestmark = pytest.mark.slow
 
 QUESTIONS = ["What type is [3, 'node']?", "What type is 2.5?", "Which Python type is {'a': 1}?"]
-
-
-def _convert(cwd: str, *args: str) -> dict:
-    """``convert`` in a child process (it opens its own process group), from the folder the runs were
-    started in (the LoRA recipe names its base relative to it); the rendered error, if any."""
-    import os
-
-    from megatron_recipes.config.errors import RecipeError
-    from megatron_recipes.convert.cli import main
-
-    os.chdir(cwd)
-    try:
-        return {"code": main(list(args)), "error": None}
-    except RecipeError as exc:
-        return {"code": 2, "error": exc.render()}
-
-
-def convert(run, *args: str) -> dict:
-    return ps.run_ranks(1, _convert, str(run.root), *args)[0]
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +30,11 @@ def exports(shared_runs, tmp_path_factory):
     lora = run.lora.run_dir
     done = {
         "adapter": convert(run, "export", f"ckpt_dir={lora}", f"hf_dir={out / 'adapter'}", "adapter_only=true", "--verify"),
-        "merged": convert(run, "export", f"ckpt_dir={lora}", f"hf_dir={out / 'merged'}", "--quiet", "--verify"),
         "base": convert(run, "export", f"ckpt_dir={run.base.run_dir}", f"hf_dir={out / 'base'}", "--quiet", "--no-verify"),
     }
     for name, result in done.items():
         assert result == {"code": 0, "error": None}, (name, result)
+    (out / "merged").symlink_to(merged_export(shared_runs), target_is_directory=True)
     return run, out
 
 
@@ -94,29 +72,13 @@ def test_exports_carry_the_runs_tokenizer_chat_template_and_stops(exports):
         folder = out / kind
         assert (folder / "tokenizer.json").is_file(), kind
         generation = json.loads((folder / "generation_config.json").read_text())
-        assert generation["eos_token_id"] == [0] and generation["stop_strings"] == ["<|im_end|>"], generation
+        assert generation["eos_token_id"] == 0 and generation["stop_strings"] == ["<|im_end|>"], generation
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(out / "merged"))
     assert tokenizer.chat_template == template_text("chatml")
     base_generation = json.loads((out / "base" / "generation_config.json").read_text())
-    assert "stop_strings" not in base_generation and base_generation["eos_token_id"] == [0]  # pretraining: no chat
-
-
-def _hf_answers(folder: Path, questions: List[str]) -> List[List[int]]:
-    """transformers as a user runs the export: chat template, greedy, the export's own stops."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    answers = []
-    for question in questions:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt")
-        ids = ids if torch.is_tensor(ids) else ids["input_ids"]
-        with torch.no_grad():
-            full = model.generate(ids, max_new_tokens=32, do_sample=False, tokenizer=tokenizer)
-        answers.append(full[0, ids.shape[1]:].tolist())
-    return answers
+    assert "stop_strings" not in base_generation and base_generation["eos_token_id"] == 0  # pretraining: no chat
 
 
 def test_transformers_on_the_merged_export_answers_as_generate_does(exports):
@@ -128,7 +90,7 @@ def test_transformers_on_the_merged_export_answers_as_generate_does(exports):
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=str(run.root))
     assert done.returncode == 0, done.stderr[-3000:]
     ours = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    theirs = _hf_answers(out / "merged", QUESTIONS)
+    theirs = hf_answers(out / "merged", QUESTIONS)
     tokenizer = AutoTokenizer.from_pretrained(str(out / "merged"))
     for record, ids in zip(ours, theirs):
         assert ids[: len(record["tokens"])] == record["tokens"], (record, ids)

@@ -65,7 +65,8 @@ def hf_greedy(hf_dir: Path, prompts: List[str], new_tokens: int) -> List[List[in
 
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    stops = sorted({tokenizer.eos_token_id, model.generation_config.eos_token_id} - {None})
+    configured = model.generation_config.eos_token_id  # one id or a list (the export writes the run's stops)
+    stops = sorted(({tokenizer.eos_token_id} | set(configured if isinstance(configured, list) else [configured])) - {None})
     out = []
     for prompt in prompts:
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
@@ -169,7 +170,7 @@ def chat_maker(data_cache):
     """The prompt side of a fine-tuned (SFT) run on the built-in tokenizer with its chatml template."""
     from data_support import small_cfg
     from megatron_recipes.data.tokenizer import load_tokenizer_dir
-    from megatron_recipes.generate.text import PromptMaker, wants_chat
+    from megatron_recipes.data.prompts import PromptMaker, wants_chat
 
     cfg = small_cfg(data_cache, "data.kind=sft", "data.sft_path=builtin", "data.chat_template=chatml")
     tokenizer = load_tokenizer_dir(small_builtin(data_cache).tokenizer_dir)
@@ -204,7 +205,7 @@ def test_chat_prompt_is_tokenized_as_fine_tuning_rendered_it(chat_maker):
 
 def test_chat_end_of_turn_that_is_one_special_token_is_the_engines_stop_id(chat_maker, tmp_path):
     from megatron_recipes.data.tokenizer import load_tokenizer_dir
-    from megatron_recipes.generate.text import PromptMaker
+    from megatron_recipes.data.prompts import PromptMaker
 
     _, cfg, tokenizer = chat_maker
     hf = load_tokenizer_dir(tokenizer.source).hf
@@ -218,7 +219,7 @@ def test_chat_end_of_turn_that_is_one_special_token_is_the_engines_stop_id(chat_
 
 
 def test_answers_end_at_stop_tokens_and_stop_text(chat_maker):
-    from megatron_recipes.generate.text import PromptMaker
+    from megatron_recipes.data.prompts import PromptMaker
 
     maker, cfg, tokenizer = chat_maker
     prompt = maker.encode("hi")

@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_recipes.checkpoint._files import (
     CHECKPOINTS,
+    HF_ASSETS,
     TRACKER,
     SavedRun,
     checkpoints_root,
     clean_leftovers,
+    hf_assets_beside,
     is_complete,
     iter_dir,
     latest,
@@ -95,6 +97,7 @@ __all__ = [
     "AdapterModule",
     "BackgroundSaves",
     "CHECKPOINTS",
+    "HF_ASSETS",
     "SavedRun",
     "Start",
     "TRACKER",
@@ -105,6 +108,7 @@ __all__ = [
     "optimizer_format_for",
     "checkpoints_root",
     "clean_leftovers",
+    "hf_assets_beside",
     "finish_weights_only",
     "is_complete",
     "iter_dir",

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"  # a run's checkpoints live in run.dir/checkpoints
 TRACKER = "latest_checkpointed_iteration.txt"
 RESUMED_FROM = "resumed_from_iteration.txt"  # the step a rewind resumed from: retention keeps it
+HF_ASSETS = "hf"  # an import keeps the HF model's config, tokenizer and generation files here, beside the checkpoint
 META = "meta.json"  # ours; megatron-core writes its own metadata.json next to it
 CONFIG = "config.yaml"
 FORMAT = "megatron-recipes/dist-checkpoint"
@@ -364,3 +365,12 @@ def clean_leftovers(root: Path) -> List[Path]:
             _remove(child)
             removed.append(child)
     return removed
+
+
+def hf_assets_beside(resolved: Path, cfg) -> Optional[Path]:
+    """The HF files an import kept (config.json, tokenizer, generation config): beside the checkpoint, or
+    beside the checkpoint the run started from (``checkpoint.pretrained``); None when neither has them."""
+    candidates = [Path(resolved).parent / HF_ASSETS]
+    if cfg.checkpoint.pretrained:
+        candidates.append(Path(cfg.checkpoint.pretrained).expanduser() / HF_ASSETS)
+    return next((c for c in candidates if (c / "config.json").is_file()), None)

@@ -28,10 +28,10 @@ from megatron_recipes import families
 from megatron_recipes.convert import staging
 from megatron_recipes.convert.dcp_io import CheckpointReader
 from megatron_recipes.families.hf_config import ROPE_KEYS, transformers_major
-from megatron_recipes.convert.importer import HF_ASSETS, WEIGHT_FILES
+from megatron_recipes.convert.importer import WEIGHT_FILES
 from megatron_recipes.convert.memory import PeakRss, gib
 from megatron_recipes.convert.run_assets import RunAssets, RunTokenizer
-from megatron_recipes.convert.safetensors_io import INDEX_NAME, ShardedSafetensorsWriter
+from megatron_recipes.convert.safetensors_io import ShardedSafetensorsWriter
 from megatron_recipes.convert.target import Item, checkpoint_layout
 from megatron_recipes.families.transforms import Ctx
 
@@ -78,10 +78,7 @@ def find_assets(resolved: Path, cfg: RunConfig, explicit: Optional[Path]) -> Opt
                 fix="point at the original HF model folder, or at a tokenizer folder (tokenizer.json / tokenizer_config.json)",
             )
         return folder
-    candidates = [resolved.parent / HF_ASSETS]
-    if cfg.checkpoint.pretrained:
-        candidates.append(Path(cfg.checkpoint.pretrained).expanduser() / HF_ASSETS)
-    return next((c for c in candidates if (c / "config.json").is_file()), None)
+    return checkpoint.hf_assets_beside(resolved, cfg)
 
 
 def hf_config_for(cfg: RunConfig, family: families.Family, assets: Optional[Path], dtype: torch.dtype):

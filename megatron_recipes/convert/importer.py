@@ -37,7 +37,7 @@ from megatron_recipes.convert.safetensors_io import SafetensorsReader
 from megatron_recipes.convert.target import Item, Layout, checkpoint_layout
 from megatron_recipes.families.transforms import Ctx, Transform
 
-HF_ASSETS = "hf"
+HF_ASSETS = checkpoint.HF_ASSETS  # config/tokenizer/generation files of the HF model, beside the checkpoint
 MODEL_GROUP = "model"
 WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf)$|.*\.safetensors\.index\.json$|.*\.bin\.index\.json$")
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)

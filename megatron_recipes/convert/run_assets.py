@@ -3,7 +3,7 @@ the run trained with and a ``generation_config.json`` that stops where the run's
 
 Why: an export of a run on the built-in tokenizer (or of a fine-tuning run) had no tokenizer at all, and
 greedy ``generate`` ran past the end of the answer because nothing named the end token. The tokenizer is
-found as ``generate`` finds it (``generate/text.tokenizer_folder``) and must hash to the tokenizer the
+found as ``generate`` finds it (``data/prompts.tokenizer_folder``) and must hash to the tokenizer the
 checkpoint recorded (``meta.json``'s ``run_identity``): an export never ships another tokenizer under the
 run's weights. A fine-tuning run's tokenizer carries the chat template it was trained with, so
 ``apply_chat_template`` renders prompts as training did. Where an answer ends is ``PromptMaker``'s
@@ -49,7 +49,7 @@ class RunAssets:
 
 def _run_tokenizer(cfg: RunConfig, resolved: Path, explicit: Optional[Path]):
     """``hf_assets=`` when it holds a tokenizer, else the run's own (``data.tokenizer``, the import's, built-in)."""
-    from megatron_recipes.generate.text import tokenizer_folder
+    from megatron_recipes.data.prompts import tokenizer_folder
 
     if explicit is not None and has_tokenizer(explicit):
         return tokenizer_folder(cfg, resolved, str(explicit)), None
@@ -77,7 +77,8 @@ def _generation_config(base: Dict[str, Any], maker, tokenizer) -> Dict[str, Any]
     own = base.get("eos_token_id")
     own = own if isinstance(own, list) else ([own] if own is not None else [])
     config = dict(base)
-    config["eos_token_id"] = sorted(set(eos) | {int(i) for i in own})
+    ids = sorted(set(eos) | {int(i) for i in own})
+    config["eos_token_id"] = ids[0] if len(ids) == 1 else ids  # one id as a number, as HF configs write it
     if maker.stop_texts:
         config["stop_strings"] = list(dict.fromkeys(list(base.get("stop_strings") or []) + maker.stop_texts))
     hf = tokenizer.hf
@@ -100,7 +101,7 @@ class RunTokenizer:
     def write(self, out: Path, copied_from: Optional[Path]) -> RunAssets:
         """The tokenizer and ``generation_config.json`` into ``out``; ``copied_from``: the folder whose files
         were copied there already (kept as they are when they are the run's tokenizer, unchanged)."""
-        from megatron_recipes.generate.text import PromptMaker, wants_chat
+        from megatron_recipes.data.prompts import PromptMaker, wants_chat
 
         tokenizer = self.tokenizer
         if tokenizer is None:
@@ -117,4 +118,5 @@ class RunTokenizer:
         base = json.loads(base_path.read_text(encoding="utf-8")) if base_path.is_file() else {}
         config = _generation_config(base, maker, tokenizer)
         base_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        return RunAssets(str(tokenizer.source), config["eos_token_id"], list(config.get("stop_strings") or []), chat)
+        eos = config["eos_token_id"]
+        return RunAssets(str(tokenizer.source), eos if isinstance(eos, list) else [eos], list(config.get("stop_strings") or []), chat)

@@ -59,6 +59,8 @@ def layout_for(saved: dict, given: dict):
     from megatron_recipes.convert.verify import max_local_ranks
 
     own = {"tp": int(saved.get("tp") or 1), "pp": int(saved.get("pp") or 1), "ep": int(saved.get("ep") or 1), "etp": saved.get("etp")}
+    if "tp" in given and "etp" not in given:
+        own["etp"] = None  # the expert TP followed the saved TP; with another TP it follows that one
     layout = ParallelConfig(**{**own, **given})
     world = layouts.min_world_size(layout)
     if world > max_local_ranks():
@@ -71,7 +73,7 @@ def layout_for(saved: dict, given: dict):
     return layout
 
 
-def _default_dtype(cfg) -> str:
+def default_dtype(cfg) -> str:
     import torch
 
     if not torch.cuda.is_available():
@@ -83,7 +85,7 @@ def prepare(argv: Sequence[str]):
     """Everything every rank needs, checked: (job, prompt maker, prompts, options, flags)."""
     from megatron_recipes.data.tokenizer import check_fits_model
     from megatron_recipes.generate.engine import Job, Sampling
-    from megatron_recipes.generate.text import PromptMaker, tokenizer_folder, wants_chat
+    from megatron_recipes.data.prompts import PromptMaker, tokenizer_folder, wants_chat
 
     positional, overrides, flags = split(argv)
     if not positional:
@@ -99,7 +101,7 @@ def prepare(argv: Sequence[str]):
     maker = PromptMaker(tokenizer, cfg, wants_chat(cfg, opts.chat), opts.stop)
     encoded = [maker.encode(p) for p in prompts]
     sampling = Sampling(opts.max_new_tokens, opts.temperature, opts.top_k, opts.top_p, opts.seed)
-    dtype = opts.dtype.value if opts.dtype is not None else _default_dtype(cfg)
+    dtype = opts.dtype.value if opts.dtype is not None else default_dtype(cfg)
     job = Job(str(resolved), layout, dtype, [p.ids for p in encoded], sampling, maker.termination_id, opts.batch_size)
     return job, maker, encoded, opts, flags
 

@@ -179,21 +179,31 @@ def check_lengths(cfg: RunConfig, prompts: List[List[int]], max_new_tokens: int)
     return longest
 
 
-def generate_ids(job: Job, ended: Optional[Ended] = None) -> Optional[List[List[int]]]:
-    """Run ``job`` on this rank (every rank of the layout calls it); rank 0 gets the generated ids.
-
-    ``ended``: asked after each new token, besides ``job.termination_id`` (every rank must judge alike).
-    """
-    from megatron_recipes.runtime import patches
+def model_for(ckpt: str, parallel: ParallelConfig, dtype: str):
+    """(cfg, model chunk) of this rank: process groups at ``parallel``, the checkpoint's weights loaded."""
     from megatron_recipes.runtime.distributed import init_model_parallel
 
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    ckpt = Path(job.ckpt)
-    cfg = generation_config(ckpt, job.parallel, job.dtype, world)
-    longest = check_lengths(cfg, job.prompts, job.sampling.max_new_tokens)
+    cfg = generation_config(Path(ckpt), parallel, dtype, world)
     init_model_parallel(cfg)
     with contextlib.redirect_stdout(sys.stderr):  # what was loaded is a note; stdout holds the answers only
-        model = load_model(cfg, ckpt)
+        model = load_model(cfg, Path(ckpt))
+    return cfg, model
+
+
+def generate_ids(job: Job, ended: Optional[Ended] = None, loaded=None) -> Optional[List[List[int]]]:
+    """Run ``job`` on this rank (every rank of the layout calls it); rank 0 gets the generated ids.
+
+    ``ended``: asked after each new token, besides ``job.termination_id`` (every rank must judge alike).
+    ``loaded``: ``model_for``'s (cfg, model) when the caller has it already (``eval``).
+    """
+    from megatron_recipes.runtime import patches
+
+    if loaded is None:
+        check_lengths(generation_config(Path(job.ckpt), job.parallel, job.dtype, 1), job.prompts, job.sampling.max_new_tokens)
+    cfg, model = loaded or model_for(job.ckpt, job.parallel, job.dtype)
+    model.eval()
+    longest = check_lengths(cfg, job.prompts, job.sampling.max_new_tokens)
     patches.apply("inference")
     from megatron.core.inference.engines import StaticInferenceEngine
     from megatron.core.inference.inference_request import InferenceRequest

@@ -1,6 +1,7 @@
-"""The text side of ``generate``: which tokenizer, how a prompt becomes ids, where an answer ends.
+"""The text side of a run's model: which tokenizer, how a prompt becomes ids, where an answer ends.
 
-Every rank reads the same files and so makes the same ids; the engine then sees token ids only.
+One owner for ``generate``, ``eval`` and the export's ``generation_config.json``. Every rank reads the same
+files and so makes the same ids; the engine then sees token ids only.
 
 - Tokenizer: ``tokenizer=``, else the run's ``data.tokenizer`` (a folder, or the built-in one), else
   the tokenizer files an import kept next to the checkpoint (``hf/``, also through ``checkpoint.pretrained``).
@@ -47,7 +48,7 @@ def _has_tokenizer(folder: Path) -> bool:
 
 def tokenizer_folder(cfg: RunConfig, ckpt: Path, explicit: Optional[str], build_builtin: bool = True):
     """The tokenizer to generate with (see the module docstring); a ``RecipeTokenizer``."""
-    from megatron_recipes.convert.exporter import find_assets
+    from megatron_recipes.checkpoint import hf_assets_beside
     from megatron_recipes.data.tokenizer import BUILTIN, load_tokenizer_dir, tokenizer_source
 
     if explicit:
@@ -57,7 +58,7 @@ def tokenizer_folder(cfg: RunConfig, ckpt: Path, explicit: Optional[str], build_
         return load_tokenizer_dir(folder)
     if cfg.data.tokenizer != BUILTIN:
         return tokenizer_source(cfg.data.tokenizer, cfg)
-    assets = find_assets(ckpt, cfg, None)
+    assets = hf_assets_beside(ckpt, cfg)
     if assets is not None and _has_tokenizer(assets):
         return load_tokenizer_dir(assets)
     if cfg.data.kind in ("builtin", "sft"):  # trained on the built-in tokenizer (built or reused from data.cache_dir)
@@ -94,13 +95,14 @@ class PromptMaker:
             self._end_of_turn()
         self._window = max((len(t.encode("utf-8")) for t in self.stop_texts), default=0) + 1
 
-    def _segments(self, text: str) -> Tuple[List[str], str]:
-        """The prompt's segments (user turn, generation prompt) and the text after a rendered answer."""
-        messages = [{"role": "user", "content": text}, {"role": "assistant", "content": _PLACEHOLDER}]
+    def _segments(self, text: str, history: Sequence[dict] = ()) -> Tuple[List[str], str]:
+        """The prompt's segments (earlier turns, the user turn, the generation prompt) and the text the
+        template puts after a rendered answer."""
+        messages = [*history, {"role": "user", "content": text}, {"role": "assistant", "content": _PLACEHOLDER}]
         segments = self.renderer.segments(messages, "generate")
-        first_answer = next(i for i, (_, answer) in enumerate(segments) if answer)
-        after = segments[first_answer][0]
-        return [s for s, _ in segments[:first_answer]], after[len(_PLACEHOLDER):] if after.startswith(_PLACEHOLDER) else ""
+        last_answer = max(i for i, (_, answer) in enumerate(segments) if answer)  # the placeholder
+        after = segments[last_answer][0]
+        return [s for s, _ in segments[:last_answer]], after[len(_PLACEHOLDER):] if after.startswith(_PLACEHOLDER) else ""
 
     def _end_of_turn(self) -> None:
         """What the template closes an answer with: a special token's id, else its text as a stop text."""
@@ -118,10 +120,12 @@ class PromptMaker:
         """The one id megatron-core's engine stops a sequence at: end-of-turn in chat, else end-of-sequence."""
         return self.end_of_turn if self.end_of_turn is not None else int(self.tokenizer.eod)
 
-    def encode(self, text: str) -> Prompt:
+    def encode(self, text: str, history: Sequence[dict] = ()) -> Prompt:
+        """Ids of a prompt; in chat, after ``history`` (earlier messages of the conversation: eval's
+        multi-turn validation conversations)."""
         if self.renderer is None:  # as a HF user's tokenizer(text) would: with its BOS, if it adds one
             return Prompt(text, list(self.hf(text)["input_ids"]))
-        pieces, _ = self._segments(text)
+        pieces, _ = self._segments(text, history)
         ids: List[int] = []
         for piece in pieces:
             ids += self.hf(piece, add_special_tokens=False)["input_ids"]
