@@ -13,6 +13,20 @@ from typing import Optional
 LOG_NAME = "log.jsonl"  # DLLogger-format records, one JSON object per line
 PLOT_NAME = "loss.png"
 MARKER_NAME = "preempted.json"  # written when a run stopped for preemption, removed when a run starts
+EVAL_DIR = "eval"  # ``megatron-recipes eval`` keeps each evaluation here: step_NNNNNNN.json
+
+
+def read_evaluations(run_dir: Path | str) -> list:
+    """The evaluations ``eval`` kept for a run, in step order; a file that does not parse is skipped."""
+    out = []
+    for path in sorted((Path(run_dir) / EVAL_DIR).glob("step_*.json")):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            out.append(record)
+    return out
 
 
 def read_marker(run_dir: Path | str) -> Optional[dict]:

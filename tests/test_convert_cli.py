@@ -36,6 +36,7 @@ def test_import_verifies_small_models_and_verify_fails_on_other_weights(tmp_path
     captured = capsys.readouterr()
     assert code == 2
     assert "FAIL" in captured.out and "logits differ by up to" in captured.err
+    assert "same architecture but other weights" in captured.err and "please report" not in captured.err  # a user's mix-up
 
 
 def test_export_overwrite_never_removes_its_own_source_or_an_hf_download(tmp_path, capsys):

@@ -132,6 +132,17 @@ def test_existing_outputs_need_overwrite(llama, tmp_path):
         run_export(out, exported, progress=False)
 
 
+def test_missing_parents_of_the_output_are_created_and_a_file_in_the_way_is_named(llama, tmp_path):
+    deep = tmp_path / "new" / "deeper" / "out"
+    _import(llama, deep)  # as mkdir -p would
+    assert (deep / "iter_0000000").is_dir() and not any(p.name.startswith(".") for p in (tmp_path / "new" / "deeper").iterdir())
+    (tmp_path / "a-file").write_text("not a folder")
+    with pytest.raises(RecipeError, match="is not a folder"):
+        _import(llama, tmp_path / "a-file" / "out")
+    with pytest.raises(RecipeError, match="is not a folder"):
+        run_export(deep, tmp_path / "a-file" / "sub" / "hf", progress=False)
+
+
 def test_export_refuses_a_checkpoint_of_another_model(llama, tmp_path):
     ours = _import(llama, tmp_path / "ours").checkpoint
     other_hf = _copy(llama, tmp_path / "other_hf")

@@ -13,6 +13,8 @@ exported model has the padding cut, so with padding the two losses differ by tha
 
 from __future__ import annotations
 
+import shlex
+
 from pathlib import Path
 
 import pytest
@@ -66,7 +68,7 @@ def test_import_train_export_matches_logged_loss(tmp_path, data_cache):
 
     hf = make_hf_model("llama", tmp_path / "hf_llama", vocab_size=VOCAB)
     imported = run_import(hf, tmp_path / "imported", ParallelConfig(tp=2), progress=False)
-    command = train_command(imported.out_dir, imported.cfg.model.name, "tiny_llama_cpu").split()[3:]
+    command = shlex.split(train_command(imported.out_dir, imported.cfg.model.name, "tiny_llama_cpu"))[3:]  # as a shell reads it
     run = ts.train(
         tmp_path / "run", data_cache, *command, *ts.FAST, f"train.train_iters={STEPS}",
         f"train.global_batch_size={GBS}", f"train.micro_batch_size={MBS}", "optimizer.lr=3e-3", "optimizer.min_lr=0",

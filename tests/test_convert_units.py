@@ -151,3 +151,24 @@ def test_checkpoint_reader_whole_chunks_and_regions(tmp_path: Path):
     region = item("whole", 1)  # layer 1 of a tensor stored as one chunk
     assert reader._whole_chunk(region) is None
     assert torch.equal(reader.read(region), full[1])
+
+
+def test_printed_train_command_is_shell_safe(tmp_path):
+    """[ ] are globs to zsh and a path may hold spaces: the command import prints must survive a shell."""
+    import shlex
+
+    from megatron_recipes.convert.importer import train_command
+
+    out = tmp_path / "with space" / "out"
+    words = shlex.split(train_command(out, "tiny"))
+    root = out.resolve()
+    assert words[3:] == [f"hydra.searchpath=[file://{root}]", "model=tiny", f"checkpoint.pretrained={root}"]
+
+
+def test_logits_of_other_weights_are_told_apart_from_a_conversion_off_by_rounding():
+    from megatron_recipes.convert.verify import Metrics
+
+    assert not Metrics(3e-3, 2e-4, 0.99999, 1.0).looks_unrelated()  # a conversion bug or bf16 rounding: report it
+    assert not Metrics(0.5, 0.05, 0.97, 0.93).looks_unrelated()  # a wrong split still mostly agrees
+    assert Metrics(4.2, 0.9, 0.31, 0.02).looks_unrelated()  # another model
+    assert not Metrics(float("nan"), float("nan"), float("nan"), 0.0).looks_unrelated()  # NaNs are a bug

@@ -59,6 +59,8 @@ def test_generated_answers_score_as_transformers_on_the_export(shared_runs):
     right = sum(text.strip() == r["reference"].strip() for text, r in zip(theirs, records))
     assert result["answers"]["right"] == right and result["answers"]["exact_match"] == right / ANSWERS
     assert 0 < right  # the run learned something: the comparison is not of empty answers
+    page = (run.lora.run_dir / "report.html").read_text()  # the trainer wrote it; eval rewrote it
+    assert f"{right / ANSWERS:.1%} of {ANSWERS}" in page[page.index('id="finetuning"'):]
 
 
 def test_eval_options_and_targets_are_checked_before_any_rank(tmp_path):

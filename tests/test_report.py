@@ -3,6 +3,7 @@ headless browser (Debian's ``chromium``); plus a run whose MLflow server cannot 
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import socket
@@ -177,3 +178,42 @@ def test_report_renders_in_headless_chromium(trained, tmp_path):
     pixels = (matplotlib.image.imread(str(shot))[..., :3] * 255).round().astype(int)
     blue = ((abs(pixels - TRAIN_BLUE)).sum(axis=-1) <= 6).sum()  # no other part of the page uses this colour
     assert blue > 1000, f"the curves are not visible in the screenshot ({blue} pixels of the series colour)"
+
+
+def _log_line(kind: str, **fields) -> str:
+    return "DLLL " + json.dumps({"timestamp": "0", "datetime": "2026-12-03 00:00:00", "elapsedtime": "0", "type": kind, **fields})
+
+
+def _fine_tuning_run(root: Path) -> Path:
+    from megatron_recipes.config.compose import compose_recipe, to_yaml
+
+    run = root / "lora"
+    (run / "eval").mkdir(parents=True)
+    (run / "config.yaml").write_text(to_yaml(compose_recipe("tiny_llama_lora", [f"run.dir={run}"])))
+    lines = [_log_line("METADATA", metric="run", metadata={"layout": "TP=2", "start_step": 0,
+                                                              "peft": {"method": "lora", "trainable": 655360, "total": 1967232}})]
+    for step, acc in ((0, 0.0), (50, 0.4), (100, 0.853)):
+        lines.append(_log_line("LOG", step=step, data={"loss": 1.0 / (step + 1), "val_loss": 2.0 / (step + 1), "task_accuracy": acc}))
+    (run / "log.jsonl").write_text("\n".join(lines) + "\n")
+    (run / "eval" / "step_0000100.json").write_text(json.dumps(
+        {"step": 100, "layout": "tp=2 pp=1", "loss": {"val_loss": 0.0403, "perplexity": 1.041},
+         "answers": {"exact_match": 0.898, "answers": 512, "right": 460}}))
+    (run / "eval" / "step_0000050.json").write_text('{"step": 50, "loss": {"val_lo')  # torn: skipped
+    return run
+
+
+def test_report_of_a_fine_tuning_run_shows_adapters_accuracy_and_evaluations(tmp_path):
+    run = _fine_tuning_run(tmp_path)
+    page = build_report(run, picture=False).read_text()
+    section = page[page.index('id="finetuning"'):page.index('id="plan"')]
+    for text in ("lora", "output_layer", "655,360 of 1,967,232 (33.3138%)", "0.0% at step 0 -&gt; 85.3% at step 100",
+                 "0.0403", "89.8% of 512"):
+        assert text in section, (text, section)
+    assert ">task accuracy<" in page  # the curve, among the report's charts
+    from megatron_recipes.training.sinks import loss_figure
+
+    fig = loss_figure(run / "log.jsonl")
+    assert len(fig.axes) == 2 and fig.axes[1].get_ylabel() == "task accuracy (%)"
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("\n".join(_log_line("LOG", step=s, data={"loss": 1.0}) for s in (1, 2)) + "\n")
+    assert len(loss_figure(plain).axes) == 1  # a pretraining run: loss only

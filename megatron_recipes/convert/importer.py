@@ -193,8 +193,11 @@ def write_model_yaml(model: ModelConfig, root: Path) -> Path:
 
 
 def train_command(out_dir: Path, model_name: str, recipe: str = "<recipe>") -> str:
-    root = Path(out_dir).resolve()
-    return f"megatron-recipes train {recipe} hydra.searchpath=[file://{root}] model={model_name} checkpoint.pretrained={root}"
+    import shlex
+
+    root = Path(out_dir).resolve()  # quoted: [ ] are globs to zsh, and a path may hold spaces
+    search = shlex.quote(f"hydra.searchpath=[file://{root}]")
+    return f"megatron-recipes train {recipe} {search} model={model_name} {shlex.quote(f'checkpoint.pretrained={root}')}"
 
 
 def run_import(

@@ -26,9 +26,11 @@ HF_EXPORT, MEGATRON_IMPORT, ADAPTER = "hf export", "megatron import", "peft adap
 def check_target(out: Path, overwrite: bool, field: str, kind: str,
                  inputs: Mapping[str, Union[str, Path, None]] = {}) -> None:
     """Refuse an existing ``out`` unless ``--overwrite`` may replace it (before any work): see the module doc."""
-    if not os.path.lexists(out):
-        if not out.parent.exists():
-            raise RecipeError(f"the parent folder of {field} '{out}' does not exist", fix=f"create {out.parent} first")
+    if not os.path.lexists(out):  # missing parents are created (as mkdir -p would) once the work is done
+        existing = next(p for p in Path(out).absolute().parents if os.path.lexists(p))
+        problem = f"'{existing}' is not a folder" if not existing.is_dir() else files.cannot_write_in(existing)
+        if problem:
+            raise RecipeError(f"{field} '{out}' cannot be created: {problem}", fix=f"choose {field} in a folder you can write")
         return
     if not overwrite:
         raise RecipeError(f"{field} '{out}' already exists", fix="choose a new folder, or pass --overwrite to replace it")

@@ -57,6 +57,11 @@ class Metrics:
     def ok(self, tolerance: float) -> bool:
         return math.isfinite(self.max_abs) and self.max_abs <= tolerance
 
+    def looks_unrelated(self) -> bool:
+        """Far beyond any rounding: a conversion's errors (a wrong split, a missed transpose) are bugs to
+        report, but logits whose argmax mostly disagrees come from other weights, not from a conversion."""
+        return math.isfinite(self.max_abs) and self.argmax_agreement < 0.5 and self.min_cosine < 0.9
+
 
 def compare(reference: torch.Tensor, ours: torch.Tensor) -> Metrics:
     if reference.shape != ours.shape:
@@ -251,6 +256,13 @@ def run_verify(hf_dir: Path, ckpt: Path, parallel: Optional[ParallelConfig] = No
         ours = torch.load(out)
     metrics = compare(reference, ours)
     print(table([(f"HF vs checkpoint at {layouts.layout_string(layout)}", metrics)], tolerance), flush=True)
+    if not metrics.ok(tolerance) and metrics.looks_unrelated():
+        raise RecipeError(
+            f"{hf_dir} and {resolved} have the same architecture but other weights (logits differ by up to "
+            f"{metrics.max_abs:.3e}, argmax agrees on {metrics.argmax_agreement:.0%} of positions): they are not one "
+            "model converted, e.g. a checkpoint trained or fine-tuned after its import, or two different downloads",
+            fix="verify a checkpoint against the HF folder it was imported from or exported to",
+        )
     if not metrics.ok(tolerance):
         raise RecipeError(
             f"logits differ by up to {metrics.max_abs:.3e} (tolerance {tolerance:g}) between {hf_dir} and {resolved}",

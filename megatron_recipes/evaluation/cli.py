@@ -16,6 +16,7 @@ Results are also kept as JSON beside the run: <run dir>/eval/step_NNNNNNN.json (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -30,7 +31,6 @@ from megatron_recipes.evaluation import options as opts_mod
 
 PROG = "megatron-recipes eval"
 FLAGS = {"json": False, "trust-checkpoint": False}
-EVAL_DIR = "eval"  # <run dir>/eval/step_NNNNNNN.json
 
 
 @dataclass
@@ -45,6 +45,7 @@ class Plan:
     opts: opts_mod.EvalOptions
     as_json: bool
     trained: Any  # the run's train settings (its batches)
+    picture: bool  # the run's logging.plot: its report carries the layout picture
     maker: Any = None
     questions: Optional[list] = None
     prompts: Optional[list] = None
@@ -67,7 +68,8 @@ def prepare(argv: List[str]) -> Plan:
         )
     layout = layout_for(meta.get("layout") or {}, opts.parallel.given())
     dtype = opts.dtype.value if opts.dtype is not None else default_dtype(cfg)
-    plan = Plan(resolved, int(meta.get("step") or 0), layout, dtype, measures, opts, bool(args.flags.get("json")), cfg.train)
+    plan = Plan(resolved, int(meta.get("step") or 0), layout, dtype, measures, opts, bool(args.flags.get("json")), cfg.train,
+                cfg.logging.plot)
     if "answers" in measures:
         from megatron_recipes.data.tokenizer import check_fits_model
         from megatron_recipes.evaluation.answers import validation_questions
@@ -138,16 +140,23 @@ def record(plan: Plan, results: Dict[str, Any]) -> Dict[str, Any]:
 def keep(plan: Plan, full: Dict[str, Any]) -> Optional[Path]:
     """``<run dir>/eval/step_NNNNNNN.json`` when the checkpoint lies in a run dir; None when it cannot be written."""
     from megatron_recipes import files
+    from megatron_recipes.run_files import EVAL_DIR
 
     root = plan.ckpt.parent
     if root.name != checkpoint.CHECKPOINTS:
         return None
     path = root.parent / EVAL_DIR / f"step_{plan.step:07d}.json"
     try:
-        return files.write_text(path, json.dumps(full, indent=2, ensure_ascii=False) + "\n")
+        kept = files.write_text(path, json.dumps(full, indent=2, ensure_ascii=False) + "\n")
     except OSError as exc:
         print(f"note: could not keep the results in {path}: {exc}", file=sys.stderr)
         return None
+    from megatron_recipes.report import REPORT_NAME, write_report_after_run
+
+    if (root.parent / REPORT_NAME).is_file():  # the run's report shows its evaluations: rewrite it
+        with contextlib.redirect_stdout(sys.stderr):
+            write_report_after_run(root.parent, picture=plan.picture)
+    return kept
 
 
 def show(plan: Plan, results: Dict[str, Any]) -> None:

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 from megatron_recipes import checkpoint
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.run_files import LOG_NAME, read_marker
+from megatron_recipes.run_files import LOG_NAME, read_evaluations, read_marker
 
 
 @dataclass
@@ -35,6 +35,7 @@ class RunData:
     plan_error: Optional[str] = None
     picture_png: Optional[bytes] = None
     picture_note: Optional[str] = None  # why no picture was drawn though the plan was built
+    evaluations: List[Dict[str, Any]] = field(default_factory=list)  # what ``eval`` kept (run_dir/eval)
 
     def series(self, key: str) -> List[tuple]:
         return [(r["step"], float(r["data"][key])) for r in self.records
@@ -109,6 +110,7 @@ def collect(run_dir: Path, picture: bool = True) -> RunData:
                 starts.append({"datetime": rec.get("datetime"), **rec.get("metadata", {})})
     run = RunData(run_dir, config_text, cfg, config_error, records, starts, read_marker(run_dir))
     run.checkpoints = _checkpoints(run_dir / "checkpoints")
+    run.evaluations = read_evaluations(run_dir)
     if cfg is not None:
         _plan(run, picture)
     return run

@@ -33,7 +33,8 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}pre{background:#f6f8fa
 img.layout{max-width:100%;border:1px solid #eef0f3}
 """
 
-SECTIONS = (("summary", "Summary"), ("curves", "Curves"), ("plan", "Plan"), ("layout", "Ranks and nodes"),
+SECTIONS = (("summary", "Summary"), ("curves", "Curves"), ("finetuning", "Fine-tuning and evaluation"),
+            ("plan", "Plan"), ("layout", "Ranks and nodes"),
             ("checkpoints", "Checkpoints"), ("restarts", "Starts, restarts and preemptions"),
             ("versions", "Versions"), ("recipe", "Resolved recipe"))
 
@@ -89,6 +90,8 @@ def curves(run: RunData) -> str:
     charts = [
         line_chart("loss", [("train loss", run.series("loss")), ("validation loss", run.series("val_loss"))], "nats/token",
                    ("unigram entropy", entropy) if isinstance(entropy, (int, float)) else None),
+        *([line_chart("task accuracy", [("validation answers, teacher-forced", run.series("task_accuracy"))], "share")]
+          if run.series("task_accuracy") else []),
         line_chart("learning rate", [("lr", run.series("lr"))], "lr"),
         line_chart("gradient norm", [("grad norm", run.series("grad_norm"))], "L2 norm"),
         line_chart("throughput", [("tokens/s", run.series("tokens_per_sec"))], "tokens/s (all ranks)"),
@@ -183,7 +186,9 @@ def recipe(run: RunData) -> str:
 
 
 def render(run: RunData) -> str:
-    builders = {"summary": summary, "curves": curves, "plan": plan, "layout": layout, "checkpoints": checkpoints,
+    from megatron_recipes.report.finetuning import finetuning
+
+    builders = {"summary": summary, "curves": curves, "finetuning": finetuning, "plan": plan, "layout": layout, "checkpoints": checkpoints,
                 "restarts": restarts, "versions": versions, "recipe": recipe}
     name = run.cfg.run.name if run.cfg else run.run_dir.name
     nav = "".join(f'<a href="#{sid}">{escape(title)}</a>' for sid, title in SECTIONS)

@@ -384,6 +384,8 @@ class Trainer:
             "layer_spec": "transformer_engine" if capabilities.use_transformer_engine() else "local",
             "fusions": {k: v for k, v in vars(self.model[0].config).items() if k in fusions.FIELDS.values()},
             "unigram_entropy_nats": self.entropy,
+            **({"peft": {"method": self.peft.method, "trainable": self.peft.trainable, "total": self.peft.total}}
+               if getattr(self, "peft", None) is not None else {}),
             **run_facts(),  # host, Slurm job/restart, and versions extended (python, transformers, ...) for the report
         }
         self.sink.metadata("run", meta)

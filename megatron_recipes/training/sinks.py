@@ -163,18 +163,36 @@ def plot_losses(log_path: Path, out_path: Path, title: str = "", baseline: Optio
 
     ``baseline``: a reference loss drawn as a dashed line (the corpus' unigram entropy: what a model
     that ignores context would reach)."""
+    import matplotlib.pyplot as plt
+
+    fig = loss_figure(log_path, title, baseline)
+    if fig is None:
+        return None
+    try:
+        with files.replacing(out_path) as tmp:
+            fig.savefig(tmp, format="png")
+    finally:
+        plt.close(fig)
+    return out_path
+
+
+def loss_figure(log_path: Path, title: str = "", baseline: Optional[float] = None):
+    """The figure of ``plot_losses`` (None before the first logged loss); a fine-tuning run's task accuracy
+    on a second axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train, valid = [], []
+    train, valid, accuracy = [], [], []
     for rec in step_records(log_path):
         data = rec["data"]
         if isinstance(data.get("loss"), (int, float)):
             train.append((rec["step"], data["loss"]))
         if isinstance(data.get("val_loss"), (int, float)):
             valid.append((rec["step"], data["val_loss"]))
+        if isinstance(data.get("task_accuracy"), (int, float)):
+            accuracy.append((rec["step"], 100.0 * data["task_accuracy"]))
     if not train:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
@@ -187,11 +205,14 @@ def plot_losses(log_path: Path, out_path: Path, title: str = "", baseline: Optio
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    handles, labels = ax.get_legend_handles_labels()
+    if accuracy:  # a fine-tuning run: the share of validation answers right, on its own axis
+        right = ax.twinx()
+        right.plot(*zip(*accuracy), "s--", color="tab:green", label="task accuracy (%)")
+        right.set_ylabel("task accuracy (%)")
+        right.set_ylim(0, 100)
+        more_handles, more_labels = right.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    ax.legend(handles, labels)
     fig.tight_layout()
-    try:
-        with files.replacing(out_path) as tmp:
-            fig.savefig(tmp, format="png")
-    finally:
-        plt.close(fig)
-    return out_path
+    return fig
