@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "report": ("megatron_recipes.report.cli:main", "write a run directory's report.html (also while it runs)"),
     "generate": ("megatron_recipes.generate.cli:main", "text from a run's checkpoint (megatron-core's inference engine)"),
     "eval": ("megatron_recipes.evaluation.cli:main", "score a checkpoint: held-out loss, generated answers"),
+    "serve": ("megatron_recipes.serve.cli:main", "an OpenAI-compatible HTTP endpoint on a checkpoint"),
     "list": ("megatron_recipes.config.listing:main", "the recipes, the config groups and their options"),
 }
 

@@ -95,6 +95,12 @@ class PromptMaker:
             self._end_of_turn()
         self._window = max((len(t.encode("utf-8")) for t in self.stop_texts), default=0) + 1
 
+    def add_stops(self, texts: Sequence[str]) -> "PromptMaker":
+        """More stop texts (a served request's ``stop``), checked as ``stop=`` is."""
+        self.stop_texts += [t for t in texts if t and t not in self.stop_texts]
+        self._window = max((len(t.encode("utf-8")) for t in self.stop_texts), default=0) + 1
+        return self
+
     def _segments(self, text: str, history: Sequence[dict] = ()) -> Tuple[List[str], str]:
         """The prompt's segments (earlier turns, the user turn, the generation prompt) and the text the
         template puts after a rendered answer."""

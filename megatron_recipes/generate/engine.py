@@ -108,12 +108,20 @@ class _IdsOnly:
 Ended = Callable[[Sequence[int]], bool]  # the text side's judgement: has this answer so far ended?
 
 
-def finished_rows(tokens: torch.Tensor, position: int, started: torch.Tensor, done: torch.Tensor, lengths: torch.Tensor, ended: Ended) -> torch.Tensor:
-    """``done`` with the rows whose answer (its ``lengths`` newest ids, ending at ``position``) has ``ended``."""
+Observe = Callable[[int, List[int]], None]  # (row, its answer so far) after each token: serve's streaming, rank 0 only
+
+
+def finished_rows(tokens: torch.Tensor, position: int, started: torch.Tensor, done: torch.Tensor, lengths: torch.Tensor,
+                  ended: Optional[Ended], observe: Optional[Observe] = None) -> torch.Tensor:
+    """``done`` with the rows whose answer (its ``lengths`` newest ids, ending at ``position``) has ``ended``;
+    ``observe`` sees each unfinished row's answer so far (it must not decide anything: other ranks lack it)."""
     done = done.clone()
     for row in (started & ~done).nonzero().flatten().tolist():
         count = int(lengths[row])
-        if count and ended(tokens[row, position + 1 - count : position + 1].tolist()):
+        answer = tokens[row, position + 1 - count : position + 1].tolist() if count else []
+        if observe is not None and count:
+            observe(row, answer)
+        if count and ended is not None and ended(answer):
             done[row] = True
     return done
 
@@ -128,12 +136,14 @@ def _controller_class():
 
     class StoppingController(TextGenerationController):
         ended: Optional[Ended] = None
+        observe: Optional[Observe] = None
 
         def update_generation_status(self, updated_prompts_tokens, generation_started, current_context_end_position, *args, **kwargs):
             done, lengths = super().update_generation_status(updated_prompts_tokens, generation_started, current_context_end_position, *args, **kwargs)
-            if self.ended is None:
+            if self.ended is None and self.observe is None:
                 return done, lengths
-            return finished_rows(updated_prompts_tokens, current_context_end_position, generation_started, done, lengths, self.ended), lengths
+            return finished_rows(updated_prompts_tokens, current_context_end_position, generation_started, done, lengths,
+                                 self.ended, self.observe), lengths
 
     return StoppingController
 
@@ -191,7 +201,7 @@ def model_for(ckpt: str, parallel: ParallelConfig, dtype: str):
     return cfg, model
 
 
-def generate_ids(job: Job, ended: Optional[Ended] = None, loaded=None) -> Optional[List[List[int]]]:
+def generate_ids(job: Job, ended: Optional[Ended] = None, loaded=None, observe: Optional[Observe] = None) -> Optional[List[List[int]]]:
     """Run ``job`` on this rank (every rank of the layout calls it); rank 0 gets the generated ids.
 
     ``ended``: asked after each new token, besides ``job.termination_id`` (every rank must judge alike).
@@ -211,6 +221,7 @@ def generate_ids(job: Job, ended: Optional[Ended] = None, loaded=None) -> Option
     batch = min(job.batch_size, len(job.prompts))
     controller = _controller_class()(_wrapped_model(model, cfg, batch, longest), _IdsOnly(job.termination_id))
     controller.ended = ended
+    controller.observe = observe
     controller.sampling_rng.manual_seed(job.sampling.seed)
     with warnings.catch_warnings():  # chosen on purpose: its static batch and KV cache are what generate needs
         warnings.filterwarnings("ignore", message="The static engine will be deprecated", category=UserWarning)
