@@ -139,10 +139,10 @@ def run_export(
     dtype: Optional[str] = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD,
     progress: bool = True,
-    trained_run: Optional[Tuple[RunConfig, Path, Dict[str, Any]]] = None,
+    run_tokenizer: Optional[RunTokenizer] = None,
 ) -> ExportReport:
-    """``trained_run`` (recipe, checkpoint, meta): the run whose tokenizer and chat template the export
-    carries, when not the checkpoint's own (a merged PEFT export writes a temporary checkpoint first)."""
+    """``run_tokenizer``: the tokenizer (and chat template) the export carries, when not the checkpoint's
+    own run's (a merged PEFT export writes a temporary checkpoint of the fine-tuning run first)."""
     from megatron_recipes.progress import Progress
 
     began = time.perf_counter()
@@ -170,7 +170,7 @@ def run_export(
     assets = find_assets(resolved, cfg, hf_assets)
     main_dtype = max(set(out_dtypes.values()), key=lambda d: sum(i.nbytes for i in items if out_dtypes[i.key] == d))
     hf_config = hf_config_for(cfg, family, assets, main_dtype)
-    run_tokenizer = RunTokenizer(*(trained_run or (cfg, resolved, meta)), hf_assets)  # checked before writing
+    run_tokenizer = run_tokenizer or RunTokenizer(cfg, resolved, meta, hf_assets)  # checked before writing
     flags = dict(family.flags_from_hf(hf_config))
     plan: List[Tuple[Item, Ctx]] = [(it, Ctx(cfg.model, it.layer, it.expert, flags)) for it in items]
     entries = []

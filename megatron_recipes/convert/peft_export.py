@@ -266,7 +266,7 @@ def export_merged(
     resolved, run_cfg, original_meta = checkpoint.read_run(ckpt)
     if hf_assets is None:
         _, hf_assets = _hf_flags(run_cfg, resolved, None)
-    RunTokenizer(run_cfg, resolved, original_meta, hf_assets)  # a wrong tokenizer is refused before the merge
+    run_tokenizer = RunTokenizer(run_cfg, resolved, original_meta, hf_assets)  # a wrong one is refused before the merge
     work = Path(tempfile.mkdtemp(prefix=".merged-", dir=str(hf_dir.parent if hf_dir.parent.exists() else Path.cwd())))
     try:
         try:
@@ -285,7 +285,7 @@ def export_merged(
             dtype=dtype,
             max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD,
             progress=progress,
-            trained_run=(run_cfg, resolved, original_meta),
+            run_tokenizer=run_tokenizer,
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -189,12 +189,15 @@ def check_lengths(cfg: RunConfig, prompts: List[List[int]], max_new_tokens: int)
     return longest
 
 
-def model_for(ckpt: str, parallel: ParallelConfig, dtype: str):
-    """(cfg, model chunk) of this rank: process groups at ``parallel``, the checkpoint's weights loaded."""
+def model_for(ckpt: str, parallel: ParallelConfig, dtype: str, check: Optional[Callable[[RunConfig], object]] = None):
+    """(cfg, model chunk) of this rank: process groups at ``parallel``, the checkpoint's weights loaded;
+    ``check`` sees the config first (a refusal before any group or weight)."""
     from megatron_recipes.runtime.distributed import init_model_parallel
 
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     cfg = generation_config(Path(ckpt), parallel, dtype, world)
+    if check is not None:
+        check(cfg)
     init_model_parallel(cfg)
     with contextlib.redirect_stdout(sys.stderr):  # what was loaded is a note; stdout holds the answers only
         model = load_model(cfg, Path(ckpt))
@@ -209,11 +212,10 @@ def generate_ids(job: Job, ended: Optional[Ended] = None, loaded=None, observe: 
     """
     from megatron_recipes.runtime import patches
 
-    if loaded is None:
-        check_lengths(generation_config(Path(job.ckpt), job.parallel, job.dtype, 1), job.prompts, job.sampling.max_new_tokens)
-    cfg, model = loaded or model_for(job.ckpt, job.parallel, job.dtype)
+    fits = lambda cfg: check_lengths(cfg, job.prompts, job.sampling.max_new_tokens)  # noqa: E731
+    cfg, model = loaded or model_for(job.ckpt, job.parallel, job.dtype, check=fits)
     model.eval()
-    longest = check_lengths(cfg, job.prompts, job.sampling.max_new_tokens)
+    longest = fits(cfg)
     patches.apply("inference")
     from megatron.core.inference.engines import StaticInferenceEngine
     from megatron.core.inference.inference_request import InferenceRequest
