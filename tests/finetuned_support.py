@@ -58,6 +58,18 @@ def convert(run: FineTuned, *args: str) -> dict:
     return ps.run_ranks(1, _convert, str(run.root), *args)[0]
 
 
+def eval_cli(run: FineTuned, target, *args: str) -> dict:
+    """``megatron-recipes eval <target> ... --json`` as a user runs it, from the runs' folder; its record."""
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "megatron_recipes.cli", "eval", str(target), *args, "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=str(run.root))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+
+
 def merged_export(shared_runs) -> Path:
     """The LoRA run exported as a merged HF model (the CLI checks its logits against the trained model)."""
     run = readme_lora(shared_runs)
@@ -72,7 +84,8 @@ def merged_export(shared_runs) -> Path:
 
 
 def hf_answers(folder: Path, questions, max_new_tokens: int = 32):
-    """transformers as a user runs the export: its chat template, greedy, its own stops; the new ids."""
+    """transformers as a user (or lm-eval's hf model) runs the export: its chat template, greedy, the stops of
+    its generation_config alone (no tokenizer handed to generate); the new ids."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -83,6 +96,6 @@ def hf_answers(folder: Path, questions, max_new_tokens: int = 32):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt")
         ids = ids if torch.is_tensor(ids) else ids["input_ids"]
         with torch.no_grad():
-            full = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, tokenizer=tokenizer)
+            full = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
         answers.append(full[0, ids.shape[1]:].tolist())
     return answers

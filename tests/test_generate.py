@@ -178,14 +178,38 @@ def chat_maker(data_cache):
     return PromptMaker(tokenizer, cfg, chat=True), cfg, tokenizer
 
 
-def test_chat_prompt_is_tokenized_as_fine_tuning_rendered_it(chat_maker):
+def _tokenizer_without_turn_tokens(folder):
+    """A byte-level BPE whose chatml turn markers are plain text (several tokens each), as some users' are."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_recipes.data.builtin import EOD_TOKEN, PAD_TOKEN
+    from megatron_recipes.data.sft.templates import template_text
+    from megatron_recipes.data.tokenizer import load_tokenizer_dir
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=[EOD_TOKEN, PAD_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["What type is [3, 'node']? list", "user assistant"] * 20, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOD_TOKEN, pad_token=PAD_TOKEN)
+    hf.chat_template = template_text("chatml")
+    hf.save_pretrained(str(folder))
+    return load_tokenizer_dir(folder)
+
+
+def test_chat_prompt_is_tokenized_as_fine_tuning_rendered_it(chat_maker, tmp_path):
     """The ids fed to the model are the fine-tuning sample's ids up to where its answer starts, and the
-    answer ends where the sample's did: at the template's end-of-turn, which the built-in tokenizer (no
-    ``<|im_end|>`` token) spells in several tokens, so it is a stop text, not the engine's one stop id."""
+    answer ends where the sample's did: at the template's end-of-turn, which a tokenizer without an
+    ``<|im_end|>`` token spells in several tokens, so it is a stop text, not the engine's one stop id."""
+    from megatron_recipes.data.prompts import PromptMaker
     from megatron_recipes.data.sft.render import ChatRenderer
     from megatron_recipes.data.sft.templates import template_text
 
-    maker, _, tokenizer = chat_maker
+    _, cfg, _ = chat_maker
+    tokenizer = _tokenizer_without_turn_tokens(tmp_path)
+    maker = PromptMaker(tokenizer, cfg, chat=True)
     question = "What type is [3, 'node']?"
     sample = ChatRenderer(tokenizer.hf, template_text("chatml")).tokenize(
         [("t", [{"role": "user", "content": question}, {"role": "assistant", "content": "list"}])]
@@ -203,19 +227,22 @@ def test_chat_prompt_is_tokenized_as_fine_tuning_rendered_it(chat_maker):
     assert (got.text, got.tokens, got.finish_reason) == ("list", word, "stop")
 
 
-def test_chat_end_of_turn_that_is_one_special_token_is_the_engines_stop_id(chat_maker, tmp_path):
-    from megatron_recipes.data.tokenizer import load_tokenizer_dir
-    from megatron_recipes.data.prompts import PromptMaker
+def test_builtin_tokenizers_end_of_turn_is_one_special_token_the_engines_stop_id(chat_maker):
+    """The built-in tokenizer has chatml's turn markers as special tokens: a fine-tuned answer ends at one
+    id (what an export's generation_config can name), and the fine-tuning sample ends with it too."""
+    from megatron_recipes.data.sft.render import ChatRenderer
+    from megatron_recipes.data.sft.templates import template_text
 
-    _, cfg, tokenizer = chat_maker
-    hf = load_tokenizer_dir(tokenizer.source).hf
-    hf.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    hf.save_pretrained(str(tmp_path))
-    own = load_tokenizer_dir(tmp_path)
-    maker = PromptMaker(own, cfg, chat=True)
-    end = own.hf.convert_tokens_to_ids("<|im_end|>")
-    assert maker.termination_id == end and {end, own.eod} <= maker.stop_ids and maker.stop_texts == []
-    assert maker.ended([5, end]) and not maker.ended([5, 6])
+    maker, _, tokenizer = chat_maker
+    end = tokenizer.hf.convert_tokens_to_ids("<|im_end|>")
+    assert isinstance(end, int) and maker.termination_id == end and {end, tokenizer.eod} <= maker.stop_ids
+    assert maker.stop_texts == [] and maker.ended([5, end]) and not maker.ended([5, 6])
+    sample = ChatRenderer(tokenizer.hf, template_text("chatml")).tokenize(
+        [("t", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "list"}])]
+    )[0]
+    taught = sample.ids[int(sample.mask.argmax()):].tolist()
+    word = tokenizer.hf("list", add_special_tokens=False)["input_ids"]
+    assert taught[: len(word) + 1] == word + [end]  # fine-tuning taught the one id after the answer
 
 
 def test_answers_end_at_stop_tokens_and_stop_text(chat_maker):
@@ -231,7 +258,8 @@ def test_answers_end_at_stop_tokens_and_stop_text(chat_maker):
     stopping = PromptMaker(tokenizer, cfg, chat=True, stop=" of")
     cut = stopping.answer(prompt, words, len(words))
     assert cut.text == "list" and cut.finish_reason == "stop" and tokenizer.hf.decode(cut.tokens) == "list"
-    assert stopping.ended(words) and not stopping.ended(words[:1])
+    first = next(n for n in range(1, len(words) + 1) if stopping.ended(words[:n]))  # asked after each token
+    assert " of" in tokenizer.hf.decode(words[:first]) and " of" not in tokenizer.hf.decode(words[: first - 1])
 
 
 def test_engine_stops_the_rows_whose_answer_ended():
@@ -262,17 +290,20 @@ def test_generation_stops_at_a_stop_text(shared_runs, data_cache):
     models = _models(shared_runs, data_cache, "llama")
     reference = shared_runs.get(("generate-reference", "llama"), lambda: hf_greedy(models["hf"], PROMPTS, NEW_TOKENS))
     tokenizer = AutoTokenizer.from_pretrained(str(models["hf"]))
-    number, ids = max(enumerate(reference), key=lambda item: len(item[1]))
-    text = tokenizer.decode(ids, skip_special_tokens=True)
 
-    def spelled(n):
-        return tokenizer.decode(ids[:n], skip_special_tokens=True)
+    def stop_at(ids, k):  # two reference tokens as a stop text, first met at token k, between whole characters
+        def spelled(n):
+            return tokenizer.decode(ids[:n], skip_special_tokens=True)
 
-    def stop_at(k):  # two reference tokens as a stop text, first met at token k, between whole characters
-        stop = tokenizer.decode(ids[k : k + 2], skip_special_tokens=True)
+        text, stop = spelled(len(ids)), tokenizer.decode(ids[k : k + 2], skip_special_tokens=True)
         whole = spelled(k) + stop == spelled(k + 2) and spelled(k - 1) != spelled(k) and "\ufffd" not in spelled(k + 2)
         return stop if whole and stop.strip() and "\n" not in stop and text.find(stop) == len(spelled(k)) else None
 
-    k = next(k for k in range(2, len(ids) - 2) if stop_at(k))
-    [record] = generate_cli(models["ckpt"], PROMPTS[number], f"max_new_tokens={NEW_TOKENS}", f"stop={stop_at(k)}")
-    assert (record["text"], record["tokens"], record["finish_reason"]) == (text[: text.index(stop_at(k))], ids[:k], "stop")
+    # a random model's answers may repeat one token (no stop text first met past the start): take one that does not
+    number, ids, k = next(((n, ids, k) for n, ids in sorted(enumerate(reference), key=lambda item: -len(item[1]))
+                           for k in range(2, len(ids) - 2) if stop_at(ids, k)), (None, None, None))
+    assert k is not None, reference
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    stop = stop_at(ids, k)
+    [record] = generate_cli(models["ckpt"], PROMPTS[number], f"max_new_tokens={NEW_TOKENS}", f"stop={stop}")
+    assert (record["text"], record["tokens"], record["finish_reason"]) == (text[: text.index(stop)], ids[:k], "stop")

@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -92,6 +93,31 @@ def test_bad_requests_get_one_4xx_with_a_message(server, path, body, status, wor
     assert got == status, text
     error = json.loads(text)["error"]
     assert words in error["message"] and "Traceback" not in text
+
+
+def test_lm_evals_openai_client_gets_the_answers_transformers_gives(server, shared_runs, tmp_path):
+    """lm-eval's ``local-chat-completions`` model (its OpenAI client, 4 requests at once) against the server:
+    the generation task's answers equal lm-eval's hf model's on the merged export."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from finetuned_support import merged_export
+    from lm_eval_tasks import GENERATION, write_tasks
+    from megatron_recipes.data.sft.builtin_tasks import TYPES, ensure_files
+
+    run, base, _ = server
+    _, valid = ensure_files(str(run.cache))
+    tasks = write_tasks(tmp_path, Path(valid), ["x = 1\n"], questions=12)
+
+    def answers(model: str, args: str):
+        out = lm_eval.simple_evaluate(model=model, model_args=args, tasks=[GENERATION], apply_chat_template=True,
+                                      task_manager=TaskManager(include_path=str(tasks), include_defaults=False), log_samples=True)
+        return [s["resps"][0][0] for s in sorted(out["samples"][GENERATION], key=lambda s: s["doc_id"])]
+
+    served = answers("local-chat-completions", f"model=tiny_llama_lora,base_url={base}/chat/completions,num_concurrent=4,"
+                                               "tokenizer_backend=None")
+    theirs = answers("hf", f"pretrained={merged_export(shared_runs)},dtype=float32,device=cpu")
+    assert served == theirs and sum(a.strip() in TYPES for a in served) > len(served) // 2, (served, theirs)
 
 
 def test_ctrl_c_stops_every_rank(server):

@@ -8,7 +8,8 @@ checkpoint recorded (``meta.json``'s ``run_identity``): an export never ships an
 run's weights. A fine-tuning run's tokenizer carries the chat template it was trained with, so
 ``apply_chat_template`` renders prompts as training did. Where an answer ends is ``PromptMaker``'s
 judgement (one owner): end-of-sequence and end-of-turn token ids become ``eos_token_id``; an end of turn
-the tokenizer spells in several tokens (the built-in tokenizer's ``<|im_end|>``) becomes ``stop_strings``.
+the tokenizer spells in several tokens becomes ``stop_strings`` (transformers' ``generate`` then needs
+``tokenizer=``, which lm-eval's hf model does not pass: the built-in tokenizer has its turn markers as tokens).
 """
 
 from __future__ import annotations

@@ -21,10 +21,14 @@ import numpy as np
 from megatron_recipes.config.schema import DataConfig, RunConfig
 from megatron_recipes.data import artifact_cache as cache
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the chat template's turn markers are special tokens
 EOD_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 CHAT_TEMPLATE = "chatml"  # so apply_chat_template works with the built-in tokenizer too
+# chatml's turn markers, one id each (as in every chat tokenizer): an answer then ends at one token, so an
+# export's generation_config ends it by eos id alone, which transformers' generate, lm-eval and servers
+# honour without being handed the tokenizer (stop strings need it)
+TURN_TOKENS = ["<|im_start|>", "<|im_end|>"]
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib", "lib2to3"}
 
 
@@ -72,7 +76,7 @@ def _read_documents(files: List[Path]) -> List[str]:
 
 
 def _train_tokenizer(docs: List[str], vocab_size: int, out_dir: Path):
-    """Byte-level BPE (GPT-2 style) with EOD and pad specials, saved as an HF tokenizer folder."""
+    """Byte-level BPE (GPT-2 style) with EOD, pad and chat-turn specials, saved as an HF tokenizer folder."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -83,12 +87,13 @@ def _train_tokenizer(docs: List[str], vocab_size: int, out_dir: Path):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOD_TOKEN, PAD_TOKEN],
+        special_tokens=[EOD_TOKEN, PAD_TOKEN, *TURN_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(docs, trainer, length=len(docs))
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOD_TOKEN, pad_token=PAD_TOKEN)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOD_TOKEN, pad_token=PAD_TOKEN,
+                                 additional_special_tokens=TURN_TOKENS)
     hf.chat_template = template_text(CHAT_TEMPLATE)
     hf.save_pretrained(str(out_dir))
     return tok

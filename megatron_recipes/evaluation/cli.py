@@ -6,9 +6,13 @@ loss     held-out loss and perplexity on the run's validation split, the batches
          (``logging.eval_iters`` of them unless eval_iters= says otherwise): equal to the log's val_loss
 answers  a fine-tuning run's validation answers generated greedily (megatron-core's inference engine) and
          scored exact-match against the references; default for runs with data.kind=sft
+tasks    lm-evaluation-harness tasks (tasks=<names or task YAML files>, needs pip install "megatron-recipes[eval]"):
+         the same scores lm-eval gives the exported model; the default when tasks= is given
 
-options  what=loss,answers  eval_iters=<batches>  answers=<count, 0: all>  max_new_tokens=32  batch_size=16
+options  what=loss,answers,tasks  eval_iters=<batches>  answers=<count, 0: all>  max_new_tokens=32  batch_size=16
          dtype=bf16|fp32  parallel.tp= parallel.pp= parallel.ep= parallel.etp=  (default: the checkpoint's layout)
+         tasks=<a,b>  include_path=<folder of task YAMLs>  num_fewshot=  limit=<documents per task>
+         apply_chat_template=true|false (lm-eval's flag; default false)
 flags    --json (one JSON record on stdout)  --trust-checkpoint (see SECURITY.md)
 
 Results are also kept as JSON beside the run: <run dir>/eval/step_NNNNNNN.json (every answer included).
@@ -49,6 +53,7 @@ class Plan:
     maker: Any = None
     questions: Optional[list] = None
     prompts: Optional[list] = None
+    tokenizer: Any = None  # the run's (answers, tasks)
 
 
 def prepare(argv: List[str]) -> Plan:
@@ -70,14 +75,22 @@ def prepare(argv: List[str]) -> Plan:
     dtype = opts.dtype.value if opts.dtype is not None else default_dtype(cfg)
     plan = Plan(resolved, int(meta.get("step") or 0), layout, dtype, measures, opts, bool(args.flags.get("json")), cfg.train,
                 cfg.logging.plot)
-    if "answers" in measures:
-        from megatron_recipes.data.tokenizer import check_fits_model
-        from megatron_recipes.evaluation.answers import validation_questions
-        from megatron_recipes.data.prompts import PromptMaker, tokenizer_folder
+    if "tasks" in measures:
+        from megatron_recipes.evaluation.tasks import require_lm_eval, resolve, task_manager
 
-        tokenizer = tokenizer_folder(cfg, resolved, None)
-        check_fits_model(tokenizer, cfg)
-        plan.maker = PromptMaker(tokenizer, cfg, chat=True)
+        require_lm_eval()
+        task_manager(*resolve(opts.task_list(), opts.include_path))  # an unknown task is refused before any rank starts
+    if "answers" in measures or "tasks" in measures:
+        from megatron_recipes.data.prompts import PromptMaker, tokenizer_folder, wants_chat
+        from megatron_recipes.data.tokenizer import check_fits_model
+
+        plan.tokenizer = tokenizer_folder(cfg, resolved, None)
+        check_fits_model(plan.tokenizer, cfg)
+        if wants_chat(cfg, None):
+            plan.maker = PromptMaker(plan.tokenizer, cfg, chat=True)
+    if "answers" in measures:
+        from megatron_recipes.evaluation.answers import validation_questions
+
         plan.questions = validation_questions(cfg, opts.answers)
         plan.prompts = [plan.maker.encode(q.prompt, q.history) for q in plan.questions]
     return plan
@@ -107,6 +120,12 @@ def evaluate_here(plan: Plan) -> Optional[Dict[str, Any]]:
             if generated is not None:
                 answers = [plan.maker.answer(p, ids, plan.opts.max_new_tokens) for p, ids in zip(plan.prompts, generated)]
                 results["answers"] = score(plan.questions, answers)
+        if "tasks" in plan.measures:
+            from megatron_recipes.evaluation.tasks import run_tasks
+
+            tasks = run_tasks(plan, loaded, plan.tokenizer)
+            if tasks is not None:
+                results["tasks"] = tasks
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     finally:
         shutdown()
@@ -129,12 +148,17 @@ def summary(plan: Plan, results: Dict[str, Any]) -> str:
     if answers:
         lines.append(f"  answers         {answers['exact_match']:.1%} exact match ({answers['right']} of {answers['answers']} "
                      "validation answers, generated greedily)")
+    if results.get("tasks"):
+        from megatron_recipes.evaluation.tasks import summary_lines
+
+        lines += ["  lm-eval tasks"] + summary_lines(results["tasks"])
     return "\n".join(lines)
 
 
 def record(plan: Plan, results: Dict[str, Any]) -> Dict[str, Any]:
-    return {"checkpoint": str(plan.ckpt), "step": plan.step, "layout": _layout_text(plan.layout), "dtype": plan.dtype,
-            **results}
+    where = {"layout": _layout_text(plan.layout), "dtype": plan.dtype}
+    return {"checkpoint": str(plan.ckpt), "step": plan.step, **where,
+            **{measure: {**value, **where} for measure, value in results.items()}}
 
 
 def keep(plan: Plan, full: Dict[str, Any]) -> Optional[Path]:
@@ -146,6 +170,12 @@ def keep(plan: Plan, full: Dict[str, Any]) -> Optional[Path]:
     if root.name != checkpoint.CHECKPOINTS:
         return None
     path = root.parent / EVAL_DIR / f"step_{plan.step:07d}.json"
+    try:  # measures of this step kept before (another what= or tasks=) stay beside the new ones
+        earlier = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        earlier = {}
+    if earlier.get("step") == full["step"]:
+        full = {**earlier, **full}
     try:
         kept = files.write_text(path, json.dumps(full, indent=2, ensure_ascii=False) + "\n")
     except OSError as exc:
@@ -163,7 +193,11 @@ def show(plan: Plan, results: Dict[str, Any]) -> None:
     full = record(plan, results)
     kept = keep(plan, full)
     if plan.as_json:
-        brief = {**full, "answers": {k: v for k, v in full["answers"].items() if k != "records"}} if "answers" in full else full
+        brief = dict(full)
+        if "answers" in full:
+            brief["answers"] = {k: v for k, v in full["answers"].items() if k != "records"}
+        if "tasks" in full:
+            brief["tasks"] = {k: v for k, v in full["tasks"].items() if k != "samples"}
         print(json.dumps(brief, ensure_ascii=False), flush=True)
         return
     print(summary(plan, results) + (f"\n  kept in {kept}" if kept else ""), flush=True)

@@ -25,6 +25,16 @@ def _peft_rows(run: RunData) -> List[Sequence[str]]:
     return rows
 
 
+def _task_scores(tasks: dict) -> str:
+    """lm-eval's headline metrics of an evaluation, ``task metric value`` each."""
+    parts = []
+    for name, metrics in (tasks.get("results") or {}).items():
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and "_stderr" not in key and key != "sample_len":
+                parts.append(f"{name} {key.split(',')[0]} {value:.4g}")
+    return "; ".join(parts) or "-"
+
+
 def _evaluations(run: RunData) -> str:
     from megatron_recipes.report.page import table
 
@@ -34,8 +44,9 @@ def _evaluations(run: RunData) -> str:
         rows.append((e["step"], e.get("layout", "?"),
                      f"{loss['val_loss']:.4f}" if "val_loss" in loss else "-",
                      f"{loss['perplexity']:.3f}" if "perplexity" in loss else "-",
-                     f"{answers['exact_match']:.1%} of {answers['answers']}" if "exact_match" in answers else "-"))
-    return table(rows, ("step", "layout", "held-out loss", "perplexity", "generated answers exact"))
+                     f"{answers['exact_match']:.1%} of {answers['answers']}" if "exact_match" in answers else "-",
+                     _task_scores(e["tasks"]) if e.get("tasks") else "-"))
+    return table(rows, ("step", "layout", "held-out loss", "perplexity", "generated answers exact", "lm-eval tasks"))
 
 
 def finetuning(run: RunData) -> str:
