@@ -68,7 +68,7 @@ def theirs(hf: str, batch: int, new_tokens: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, trust_remote_code=False).eval()
     rows = prompts(batch)
     width = max(len(r) for r in rows)
     ids = torch.zeros((batch, width), dtype=torch.long)

@@ -67,7 +67,8 @@ def help_text(prog: str, flags: Mapping[str, FlagSpec], positional: Sequence[str
 
         lines += ["", "recipes: " + ", ".join(list_recipes()),
                   "groups (GROUP=OPTION): " + ", ".join(groups()) + " (`megatron-recipes list GROUP` shows the options)",
-                  "overrides: key=value, Hydra style (`megatron-recipes plan <recipe> --show-config` prints every key)"]
+                  "overrides: key=value, Hydra style (`megatron-recipes plan <recipe> --show-config` prints every key)",
+                  "sweeps: -m key=a,b ... (Hydra's multirun: one run per combination, each in its own run.dir subfolder)"]
     return "\n".join(lines)
 
 

@@ -66,7 +66,8 @@ def _score_batch(cfg: RunConfig, model: torch.nn.Module, rows: Sequence[Row]) ->
         out = chunk(ids.to(device) if first else None, pos.to(device) if first else None, attention_mask=None)
 
         def collect(output: torch.Tensor, non_loss_data: bool = False):
-            assert non_loss_data, "the schedule is run with collect_non_loss_data=True"
+            if not non_loss_data:  # the schedule is run with collect_non_loss_data=True: it hands over what this returns
+                raise RuntimeError("scoring expects megatron-core's schedule to collect non-loss data")
             return _row_scores(output, rows, cfg.model.vocab_size)
 
         return out, collect

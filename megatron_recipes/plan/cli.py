@@ -1,5 +1,6 @@
 """`megatron-recipes plan <recipe> [overrides] [--search [--top N]] [--picture out.png] [--show-config] [--json]
-[--all-groups]`, and `megatron-recipes plan --rules` (the validation rule table).
+[--all-groups]`, `megatron-recipes plan <recipe> -m key=a,b ...` (a sweep: one row per combination), and
+`megatron-recipes plan --rules` (the validation rule table).
 
 Prints the layout, megatron-core's rank -> group map with node / NVLink-domain marks, the per-GPU
 memory estimate with its verdict, and a step-time estimate, without starting a process group or
@@ -74,18 +75,42 @@ def print_rules(as_json: bool, console: Console) -> int:
     return 0
 
 
+def run_sweep(recipe: str, combinations, as_json: bool, console: Console) -> int:
+    """``plan -m``: every combination's plan in one table; fails only when none of them passes."""
+    from megatron_recipes.plan.sweep_table import render_sweep, sweep_rows
+
+    rows = sweep_rows(recipe, combinations)
+    if as_json:
+        print(json.dumps({"recipe": recipe, "combinations": rows}, indent=2, default=str))
+    else:
+        render_sweep(rows, recipe, console)
+    broken = [r["combination"] for r in rows if not r["valid"]]
+    if len(broken) == len(rows):
+        raise RecipeError(f"none of the {len(rows)} combinations passes validation (see the rules each breaks)",
+                          fix=f"`{PROG} {recipe} <one combination>` prints each rule with its fix")
+    if broken and not as_json:
+        console.print(f"{len(broken)} of {len(rows)} combinations break rules: {', '.join(broken)}")
+    return 0
+
+
 def main(argv: Sequence[str]) -> int:
+    from megatron_recipes.config.sweep import expand, take_multirun
+
+    argv, multirun = take_multirun(argv)
     args = split_args(argv, PROG, flags=FLAGS, optional_positional=1)
     if args.flags.get("rules"):
         return print_rules(bool(args.flags.get("json")), _console())
     if not args.positional:
         raise RecipeError(f"{PROG}: missing recipe", fix=f"usage: {PROG} <recipe> [key=value ...] [--search] [--picture out.png]")
     recipe = args.recipe
+    console = _console()
+    as_json = bool(args.flags.get("json"))
+    sweep = expand(args.overrides, multirun)
+    if sweep is not None:
+        return run_sweep(recipe, sweep, as_json, console)
     cfg = compose_recipe(recipe, args.overrides)
     if hydra_cfg(args.flags.get("cfg"), cfg):
         return 0
-    console = _console()
-    as_json = bool(args.flags.get("json"))
     if args.flags.get("show-config") and not as_json:
         console.print(to_yaml(cfg), markup=False)
     if args.flags.get("search"):

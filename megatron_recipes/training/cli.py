@@ -3,7 +3,9 @@
 Under a launcher (torchrun or Slurm set ``RANK``) this process is one rank and trains. Started by
 hand on a single node, it validates the recipe once and then starts ``cluster.gpus_per_node`` ranks
 itself through torchrun's own launcher (``--standalone``), which also stops every rank when one dies;
-its exit code is the job's. Multi-node jobs are started per node by torchrun or ``megatron-recipes slurm``.
+its exit code is the job's. Multi-node jobs are started per node by torchrun or ``megatron-recipes slurm``. ``-m`` (``--multirun``)
+with comma lists (``optimizer.lr=1e-3,2e-3``) trains one run per combination, one after another, each in
+its own subfolder of ``run.dir`` (``config/sweep.py``).
 """
 
 from __future__ import annotations
@@ -130,8 +132,17 @@ def main(argv: List[str]) -> int:
     """Entry of ``megatron-recipes train`` and ``python -m megatron_recipes.train``."""
     quiet_known_warnings()
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: {PROG} <recipe> [key=value ...]\n\n{__doc__}")
+        print(f"usage: {PROG} <recipe> [key=value ...] [-m key=a,b ...]\n\n{__doc__}")
         return 0
+    from megatron_recipes.config.sweep import expand, take_multirun
+
+    argv, multirun = take_multirun(argv)
+    sweep = expand(split_args(argv, PROG, flags={"cfg": True}).overrides, multirun)
+    if sweep is not None and not under_launcher():  # -m: one run per combination, one after another
+        from megatron_recipes.training.sweep import run_sweep
+
+        args = split_args(argv, PROG, flags={"cfg": True})
+        return run_sweep(args.recipe, sweep, [f"--cfg={args.flags['cfg']}"] if args.flags.get("cfg") else [])
     args, cfg = _compose(argv)  # once per process: composition costs seconds of CPU
     recipe = args.recipe
     if hydra_cfg(args.flags.get("cfg"), cfg):  # --cfg job: the resolved recipe, nothing trained
