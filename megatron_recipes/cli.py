@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import os
 import sys
 
 from megatron_recipes.cli_args import HelpRequested, subcommand
@@ -81,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         print(help_.text)
         return 0
     except RecipeError as exc:
-        print(f"error: {exc.render()}", file=sys.stderr)
+        if "RANK" in os.environ:  # one rank of a job (eval, generate, serve): the launcher says it once
+            from megatron_recipes.runtime.rank_errors import report
+
+            report(exc.render())
+        else:
+            print(f"error: {exc.render()}", file=sys.stderr)
         return 2
 
 

@@ -25,7 +25,7 @@ def human(n: float, unit: str = "B") -> str:
     return f"{n:.2f} PB"
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     seconds = int(round(seconds))
     if seconds < 60:
         return f"{seconds} s"
@@ -101,7 +101,7 @@ class Progress:
             parts.append(f"{self.items:,}{of} {self.items_unit}")
         parts.append(f"{human(rate, 'B')}/s" if self.unit == "B" else f"{rate:,.1f}{suffix or ' '}/s")
         if self.total and rate > 0 and self.done < self.total:
-            parts.append(f"ETA {_duration((self.total - self.done) / rate)}")
+            parts.append(f"ETA {duration((self.total - self.done) / rate)}")
         return f"{self.desc}: " + ", ".join(parts)
 
     def _print(self, text: str) -> None:
@@ -132,7 +132,7 @@ class Progress:
             elapsed = self.clock() - self.start
             items = f", {self.items:,} {self.items_unit}" if self.items_unit else ""
             amount = human(self.done, "B") if self.unit == "B" else f"{self.done:,.0f} {self.unit}".rstrip()
-            self._print(f"{self.desc}: done, {amount}{items} in {_duration(elapsed)}")
+            self._print(f"{self.desc}: done, {amount}{items} in {duration(elapsed)}")
 
     def __enter__(self) -> "Progress":
         return self

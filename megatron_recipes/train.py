@@ -7,7 +7,6 @@ this module; the ``__main__`` guard is only the usual one.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import List, Optional
 
@@ -22,9 +21,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return int(train_main(list(sys.argv[1:] if argv is None else argv)) or 0)
     except RecipeError as exc:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        where = f"[rank {os.environ.get('RANK', '?')}] " if world > 1 else ""
-        print(f"{where}error: {exc.render()}", file=sys.stderr)
+        from megatron_recipes.runtime.rank_errors import report
+
+        report(exc.render())  # the local launcher prints it once for all ranks
         return 2
 
 

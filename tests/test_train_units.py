@@ -113,3 +113,19 @@ def test_an_evaluation_alone_does_not_reset_the_logging_window(tmp_path):
     records = {r["step"]: r["data"] for r in sinks.read_log(tmp_path / sinks.LOG_NAME) if isinstance(r.get("step"), int)}
     assert records[2] == {"val_loss": 9.0}
     assert records[4]["loss"] == pytest.approx(2.5) and records[4]["step_time_s"] == pytest.approx(0.5)
+
+
+def test_step_line_shows_the_time_left_at_the_windows_pace():
+    import types
+
+    from megatron_recipes.training.loop import Trainer
+
+    said = []
+    trainer = types.SimpleNamespace(step=20, cfg=types.SimpleNamespace(train=types.SimpleNamespace(train_iters=100)),
+                                    _say=said.append)
+    data = {"loss": 1.5, "step_time_s": 0.25, "mfu": "n/a", "peak_mem_gib": 0.5}
+    Trainer._print(trainer, data)
+    assert said[-1].endswith("| ETA 20 s") and said[-1].startswith("step     20/100")  # 80 steps x 0.25 s
+    trainer.step = 100
+    Trainer._print(trainer, data)
+    assert "ETA" not in said[-1]  # the last step: nothing left

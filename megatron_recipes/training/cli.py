@@ -107,24 +107,37 @@ def _rank_count(cfg) -> int:
 
 def spawn_local(argv: Sequence[str], nproc: int, target: Sequence[str] = ("--module", "megatron_recipes.train")) -> int:
     """Run ``nproc`` ranks of ``target`` (a module or script) with ``argv`` through torchrun; their exit code."""
+    import logging
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from megatron_recipes.runtime import rank_errors
+
     if "OMP_NUM_THREADS" not in os.environ:  # one share of the cores per rank (torchrun would pick 1)
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     launcher_args = ["--standalone", f"--nproc_per_node={nproc}", "--max_restarts=0", *target]
-    try:
-        run(parse_args(launcher_args + list(argv)))
-    except ChildFailedError as exc:
-        codes = sorted({f.exitcode for f in exc.failures.values()}, key=lambda c: (c < 0, c))
-        first = next(iter(exc.failures.values()))
-        print(f"error: rank {first.local_rank} failed (exit code {first.exitcode}); the other ranks were stopped", file=sys.stderr)
-        code = codes[0]
-        return code if 0 < code < 128 else 1
-    except SignalException as exc:
-        print(f"stopped by signal {exc.sigval.name}; the ranks were stopped", file=sys.stderr)
-        return 128 + int(exc.sigval)
+    # torch elastic logs each failed rank at ERROR ("failed (exitcode: 2) local_rank: 1 ..."); the one line
+    # below says it, with the rank's own message
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    with rank_errors.collected() as folder:
+        try:
+            run(parse_args(launcher_args + list(argv)))
+        except ChildFailedError as exc:
+            codes = sorted({f.exitcode for f in exc.failures.values()}, key=lambda c: (c < 0, c))
+            told = rank_errors.summary(folder)
+            if told:
+                print(told, file=sys.stderr)
+            else:
+                first = min(exc.failures.values(), key=lambda f: f.local_rank)
+                print(f"error: rank {first.local_rank} failed (exit code {first.exitcode}); the other ranks were stopped",
+                      file=sys.stderr)
+            code = codes[0]
+            return code if 0 < code < 128 else 1
+        except SignalException as exc:
+            print(f"stopped by signal {exc.sigval.name}; the ranks were stopped", file=sys.stderr)
+            return 128 + int(exc.sigval)
     return 0
 
 

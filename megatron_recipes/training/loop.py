@@ -410,6 +410,11 @@ class Trainer:
             mfu = data["mfu"]
             parts.append(f"MFU {mfu:.1%}" if isinstance(mfu, float) else "MFU n/a")
             parts.append(f"peak mem {data['peak_mem_gib']:.2f} GiB")
+            left = self.cfg.train.train_iters - self.step
+            if left > 0:  # at the latest window's pace (evaluations and saves not counted)
+                from megatron_recipes.progress import duration
+
+                parts.append(f"ETA {duration(left * data['step_time_s'])}")
         self._say(" | ".join(parts))
 
     def _finish(self) -> None:

@@ -1,0 +1,69 @@
+"""A failed local job says its error once: the failing rank's message, not one per rank and not torch
+elastic's failure lines (real torchrun ranks through ``spawn_local``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+TARGET = textwrap.dedent("""
+    import os, sys, time
+    from megatron_recipes.runtime.rank_errors import report
+
+    rank, failing = int(os.environ["RANK"]), [int(r) for r in sys.argv[1].split(",")]
+    if rank in failing:
+        report(sys.argv[2] if len(sys.argv) > 2 else f"the file of rank {rank} is unreadable\\n  fix: check it")
+        sys.exit(2)
+    time.sleep(60)  # a healthy rank waits in a collective until the launcher stops it
+""")
+
+
+def _job(tmp_path, *args: str):
+    script = tmp_path / "rank.py"
+    script.write_text(TARGET)
+    code = ("import sys; from megatron_recipes.training.cli import spawn_local; "
+            f"sys.exit(spawn_local({list(args)!r}, 3, target=({str(script)!r},)))")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return done, time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_the_same_error_on_every_rank_is_said_once(tmp_path):
+    done, _ = _job(tmp_path, "0,1,2", "data file x.jsonl line 3 is not JSON\n  fix: fix that line")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert lines == ["error: data file x.jsonl line 3 is not JSON", "  fix: fix that line",
+                     "  (ranks 0, 1, 2 all failed with this)"], done.stderr
+
+
+@pytest.mark.slow
+def test_one_failing_rank_is_named_and_the_others_are_stopped_quietly(tmp_path):
+    done, seconds = _job(tmp_path, "1")
+    assert done.returncode == 2 and seconds < 50  # the sleeping ranks were stopped, not waited for
+    assert done.stderr.strip().splitlines() == ["error: the file of rank 1 is unreadable", "  fix: check it", "  (rank 1)"]
+    assert "exitcode" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_rank_outside_the_local_launcher_says_its_error_itself(monkeypatch, capsys):
+    from megatron_recipes.runtime import rank_errors
+
+    monkeypatch.delenv(rank_errors.ENV, raising=False)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    rank_errors.report("bad\n  fix: good")
+    assert capsys.readouterr().err == "[rank 3] error: bad\n  fix: good\n"
+
+
+def test_summary_tells_different_errors_apart(tmp_path):
+    from megatron_recipes.runtime.rank_errors import summary
+
+    assert summary(tmp_path) is None
+    (tmp_path / "rank000002.txt").write_text("b broke")
+    (tmp_path / "rank000000.txt").write_text("a broke")
+    (tmp_path / "rank000001.txt").write_text("a broke")
+    assert summary(tmp_path) == "error: a broke\n  (ranks 0, 1 all failed with this)\n  other ranks failed differently: rank 2: b broke"
