@@ -93,3 +93,32 @@ def test_results_of_one_step_are_kept_together(tmp_path, monkeypatch):
     kept = json.loads(first.read_text())
     assert kept["loss"] == {"val_loss": 1.5, "layout": "tp=2 pp=1", "dtype": "fp32"}
     assert kept["tasks"]["layout"] == "tp=1 pp=2" and kept["tasks"]["results"]["t"]["acc,none"] == 0.5
+
+
+@pytest.mark.slow
+def test_a_fine_tuning_run_is_read_from_any_folder(shared_runs, tmp_path):
+    """Its config names its base relative to where it trained; eval from elsewhere still finds it."""
+    import subprocess
+    import sys
+
+    run = readme_lora(shared_runs)
+    command = [sys.executable, "-m", "megatron_recipes.cli", "eval", str(run.lora.run_dir), "what=answers", "answers=4", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1])["answers"]["answers"] == 4
+
+
+def test_relative_inputs_of_an_older_checkpoint_start_where_its_run_dir_says(tmp_path, data_cache):
+    """No launch_dir in its meta.json: <root>/<run.dir>/checkpoints/iter_N gives the root."""
+    from data_support import small_cfg
+    from megatron_recipes.checkpoint._inputs import rebase_inputs
+
+    (tmp_path / "runs" / "base" / "checkpoints").mkdir(parents=True)
+    ckpt = tmp_path / "runs" / "ft" / "checkpoints" / "iter_0000010"
+    ckpt.mkdir(parents=True)
+    cfg = small_cfg(data_cache, "run.dir=runs/ft", "checkpoint.pretrained=runs/base/checkpoints", "data.kind=sft",
+                    "data.sft_path=builtin", "data.sft_valid_path=missing.jsonl")
+    got = rebase_inputs(cfg, ckpt, "checkpoints", None)
+    assert got.checkpoint.pretrained == str(tmp_path / "runs" / "base" / "checkpoints")
+    assert got.data.sft_path == "builtin" and got.data.sft_valid_path == "missing.jsonl"  # not found there: as typed
+    assert rebase_inputs(cfg, tmp_path / "elsewhere" / "iter_0000010", "checkpoints", None) == cfg

@@ -286,8 +286,12 @@ def read_run(path: Path) -> SavedRun:
     """The checkpoint ``path`` names (a folder, or a checkpoints root's latest) with its recipe and meta.json."""
     from megatron_recipes.config.compose import from_yaml  # Hydra/OmegaConf: only when a run is read
 
+    from megatron_recipes.checkpoint._inputs import rebase_inputs
+
     resolved = resolve_dir(Path(path))
-    return SavedRun(resolved, from_yaml(resolved / CONFIG), read_meta(resolved))
+    meta = read_meta(resolved)
+    cfg = rebase_inputs(from_yaml(resolved / CONFIG), resolved, CHECKPOINTS, meta.get("launch_dir"))  # from any folder
+    return SavedRun(resolved, cfg, meta)
 
 
 def _remove(path: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, TypeVar
@@ -136,6 +137,7 @@ def _meta(step: int, cfg: RunConfig, n_chunks: int, optimizer, scheduler, fmt: O
         "step": step,
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "run_name": cfg.run.name,
+        "launch_dir": os.getcwd(),  # where the run's relative paths (checkpoint.pretrained, data) start
         "fingerprint": identity.model_fingerprint(cfg),
         "layout": identity.layout(cfg),
         "contents": {
