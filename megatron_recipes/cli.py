@@ -26,13 +26,15 @@ SUBCOMMANDS = {
     "eval": ("megatron_recipes.evaluation.cli:main", "score a checkpoint: held-out loss, generated answers"),
     "serve": ("megatron_recipes.serve.cli:main", "an OpenAI-compatible HTTP endpoint on a checkpoint"),
     "list": ("megatron_recipes.config.listing:main", "the recipes, the config groups and their options"),
+    "completion": ("megatron_recipes.config.completion:main", 'shell completion: eval "$(megatron-recipes completion bash)"'),
+    "complete": ("megatron_recipes.config.completion:complete_main", "(the completion script's question: candidates)"),
 }
 
 # subcommands that import megatron-core: the entry point applies runtime/patches.py's "process" scope first
 USE_MEGATRON_CORE = ("train", "plan", "check", "convert", "report")  # generate and eval apply it after --help
 
 USAGE = "usage: megatron-recipes <subcommand> <recipe> [key=value ...] [--flags]\n\nsubcommands:\n" + "\n".join(
-    f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()
+    f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()
 )
 
 

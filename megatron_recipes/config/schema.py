@@ -26,6 +26,13 @@ DECAY_STYLES = ("cosine", "linear", "constant")
 LAUNCHERS = ("torchrun", "pmix")
 # how a job asks Slurm for GPUs: --gpus-per-node (cons_tres), or --gres=gpu:N (clusters without cons_tres)
 GPU_REQUESTS = ("gpus-per-node", "gres")
+# which field takes which of them (shell completion offers these; the rules check the same fields)
+FIELD_VALUES = {
+    "model.normalization": NORMALIZATIONS, "model.activation": ACTIVATIONS,
+    "model.position_embedding_type": POSITION_TYPES, "model.rope_scaling.rope_type": ROPE_SCALING_TYPES,
+    "train.recompute": RECOMPUTE, "train.recompute_method": RECOMPUTE_METHODS, "optimizer.name": OPTIMIZERS,
+    "optimizer.lr_decay_style": DECAY_STYLES, "cluster.launcher": LAUNCHERS, "cluster.gpu_request": GPU_REQUESTS,
+}
 
 
 @dataclass

@@ -19,6 +19,7 @@ from megatron_recipes.config import derived
 from megatron_recipes.config.errors import RecipeError
 
 PROG = "megatron-recipes train"
+FLAGS = {"cfg": True}  # Hydra's --cfg job
 _LAUNCHER_VARS = ("RANK", "TORCHELASTIC_RUN_ID")
 # Known, harmless warnings on every start (TE/Apex absent, megatron-core's own deprecated calls): they
 # would bury the few lines a user needs to read. Anything else still shows.
@@ -48,7 +49,7 @@ def under_launcher() -> bool:
 def _compose(argv: Sequence[str]):
     from megatron_recipes.config.compose import compose_recipe
 
-    args = split_args(argv, PROG, flags={"cfg": True})
+    args = split_args(argv, PROG, flags=FLAGS)
     return args, compose_recipe(args.recipe, args.overrides)
 
 
@@ -150,11 +151,11 @@ def main(argv: List[str]) -> int:
     from megatron_recipes.config.sweep import expand, take_multirun
 
     argv, multirun = take_multirun(argv)
-    sweep = expand(split_args(argv, PROG, flags={"cfg": True}).overrides, multirun)
+    sweep = expand(split_args(argv, PROG, flags=FLAGS).overrides, multirun)
     if sweep is not None and not under_launcher():  # -m: one run per combination, one after another
         from megatron_recipes.training.sweep import run_sweep
 
-        args = split_args(argv, PROG, flags={"cfg": True})
+        args = split_args(argv, PROG, flags=FLAGS)
         return run_sweep(args.recipe, sweep, [f"--cfg={args.flags['cfg']}"] if args.flags.get("cfg") else [])
     args, cfg = _compose(argv)  # once per process: composition costs seconds of CPU
     recipe = args.recipe
