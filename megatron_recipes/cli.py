@@ -26,8 +26,8 @@ SUBCOMMANDS = {
     "eval": ("megatron_recipes.evaluation.cli:main", "score a checkpoint: held-out loss, generated answers"),
     "serve": ("megatron_recipes.serve.cli:main", "an OpenAI-compatible HTTP endpoint on a checkpoint"),
     "list": ("megatron_recipes.config.listing:main", "the recipes, the config groups and their options"),
-    "completion": ("megatron_recipes.config.completion:main", 'shell completion: eval "$(megatron-recipes completion bash)"'),
-    "complete": ("megatron_recipes.config.completion:complete_main", "(the completion script's question: candidates)"),
+    "completion": ("megatron_recipes.completion:main", 'shell completion: eval "$(megatron-recipes completion bash)"'),
+    "complete": ("megatron_recipes.completion:complete_main", "(the completion script's question: candidates)"),
 }
 
 # subcommands that import megatron-core: the entry point applies runtime/patches.py's "process" scope first
@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = picked
     module_name, func_name = SUBCOMMANDS[name][0].split(":")
     wants_help = any(a in ("-h", "--help") for a in rest)
+    from megatron_recipes.runtime import known_warnings
+
+    known_warnings.quiet()
+    tally = known_warnings.start_tally() if name not in ("complete", "completion", "list") else None
     try:
         if name in USE_MEGATRON_CORE and not wants_help:  # others (data preprocess) must not even import torch
             _patch_before_megatron_core()
@@ -91,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"error: {exc.render()}", file=sys.stderr)
         return 2
+    finally:
+        known_warnings.close_tally(tally)
 
 
 if __name__ == "__main__":

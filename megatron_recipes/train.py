@@ -15,6 +15,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from megatron_recipes.config.errors import RecipeError
     from megatron_recipes.runtime import patches
 
+    from megatron_recipes.runtime.known_warnings import quiet
+
+    quiet()  # the known third-party warnings, hidden and counted in the launching command's tally
     try:
         patches.apply("process")  # refuses a megatron-core outside the supported range
         from megatron_recipes.training.cli import main as train_main

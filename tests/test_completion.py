@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_recipes.config.completion import _keys, candidates, script
+from megatron_recipes.completion import _keys, candidates, script
 from megatron_recipes.config.compose import list_group_options, list_recipes
 from megatron_recipes.config.schema import FIELD_VALUES
 

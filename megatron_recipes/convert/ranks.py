@@ -20,6 +20,9 @@ from megatron_recipes.runtime.distributed import free_port
 
 
 def _entry(rank: int, fn: Callable[..., None], world: int, port: int, status_dir: str, args: Sequence[Any]) -> None:
+    from megatron_recipes.runtime.known_warnings import quiet
+
+    quiet()  # counted in the command's tally
     import torch
 
     os.environ.update(
