@@ -25,6 +25,19 @@ def human(n: float, unit: str = "B") -> str:
     return f"{n:.2f} PB"
 
 
+def count(n: float) -> str:
+    """``1839872`` -> ``1.84M``: a count's short form (tables, headlines)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(int(n))
+
+
+def parameters(n: float, note: str = "") -> str:
+    """The one way a parameter count is written in prose: exact, and short (``1,839,872 parameters (1.84M)``)."""
+    return f"{int(n):,} parameters ({count(n)}{'; ' + note if note else ''})"
+
+
 def duration(seconds: float) -> str:
     seconds = int(round(seconds))
     if seconds < 60:

@@ -18,10 +18,9 @@ def _mark(ok: bool) -> str:
 
 
 def _fmt_params(n: float) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(int(n))
+    from megatron_recipes.progress import count
+
+    return count(n)
 
 
 def _ranks(groups: List[List[int]], limit: int = 3) -> str:
@@ -35,10 +34,12 @@ def _ranks(groups: List[List[int]], limit: int = 3) -> str:
 
 
 def render_plan(plan: Dict[str, Any], console: Console, all_groups: bool = False) -> None:
+    from megatron_recipes.progress import parameters
+
     lay, mdl, cl = plan["layout"], plan["model"], plan["cluster"]
     console.print(
-        f"[bold]{plan['recipe']}[/bold]: model {mdl['name']} ({_fmt_params(mdl['params'])} params, "
-        f"{_fmt_params(mdl['active_params'])} active) on {cl['name']} "
+        f"[bold]{plan['recipe']}[/bold]: model {mdl['name']}, {parameters(mdl['params'], _fmt_params(mdl['active_params']) + ' active')}, "
+        f"on {cl['name']} "
         f"({lay['nodes']} nodes x {lay['gpus_per_node']} GPUs = world {lay['world_size']}, "
         f"{cl['gpu_arch']}, {cl['gpu_memory_gb']:g} GB, NVLink domain {cl['nvlink_domain']})"
     )

@@ -390,9 +390,13 @@ class Trainer:
         }
         self.sink.metadata("run", meta)
         lane = " (CPU lane: megatron-core on CPU over gloo)" if self.runtime.cpu_lane else ""
+        from megatron_recipes.estimate.params import model_params
+        from megatron_recipes.progress import parameters
+
         self._say(
             f"training {cfg.model.name}: {layout} on {self.runtime.world_size} rank(s){lane}; "
-            f"{n_params:,} parameters on rank 0; steps {self.step} -> {cfg.train.train_iters}; run dir {self.run_dir}"
+            f"{parameters(model_params(cfg).total)} in the model, {n_params:,} on rank 0; "
+            f"steps {self.step} -> {cfg.train.train_iters}; run dir {self.run_dir}"
         )
         self._say(
             f"versions: {versions.describe(meta['versions'])}; layer spec: {meta['layer_spec']}; "

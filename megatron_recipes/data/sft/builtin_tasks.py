@@ -6,7 +6,7 @@ tuple, dict), equally likely, each worded three ways, so a constant guess is rig
 strict metric below scores it 0. The answer is Python's own ``type(ast.literal_eval(x)).__name__``
 (tested), and the split is honest: validation literals are never training literals (a hash of the
 literal picks its split), so a right validation answer means the rule was learned, not the example.
-Why this task: the tiny base after README's main job (1.9M parameters, 300 steps of Python source) could
+Why this task: the tiny base after README's main job (1.84M parameters, 300 steps of Python source) could
 not carry an arbitrary word across the chat template's tokens (measured when the built-in tokenizer spelled
 each turn marker in 7 tokens: repeat-a-word and opposite-of-a-word tasks stayed at 0.0% through 300 LoRA
 steps), but it does see which kinds of tokens a literal is made of (quotes, brackets, braces, a decimal
