@@ -114,13 +114,19 @@ def _write_indexed(tok, docs: List[str], prefix: str, vocab_size: int) -> Tuple[
     eod = tok.token_to_id(EOD_TOKEN)
     dtype = token_dtype(vocab_size)
     counts = np.zeros(vocab_size, dtype=np.int64)
+    from megatron_recipes.progress import Progress
+
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
     num_tokens = 0
-    for encoding in tok.encode_batch(docs, add_special_tokens=False):
-        ids = np.asarray(encoding.ids + [eod], dtype=dtype)
-        builder.add_document(ids, [ids.size])
-        counts += np.bincount(ids, minlength=vocab_size)[:vocab_size]
-        num_tokens += int(ids.size)
+    with Progress("built-in corpus: tokenizing", total=len(docs), unit="documents") as bar:
+        for start in range(0, len(docs), 64):
+            chunk = docs[start: start + 64]
+            for encoding in tok.encode_batch(chunk, add_special_tokens=False):
+                ids = np.asarray(encoding.ids + [eod], dtype=dtype)
+                builder.add_document(ids, [ids.size])
+                counts += np.bincount(ids, minlength=vocab_size)[:vocab_size]
+                num_tokens += int(ids.size)
+            bar.update(len(chunk))
     builder.finalize(prefix + ".idx")
     return len(docs), num_tokens, unigram_entropy(counts)
 
@@ -149,6 +155,8 @@ def builtin_data_for(data: Optional[DataConfig] = None, build_missing: bool = Tr
 
     def build(tmp: Path) -> dict:
         docs = _read_documents(files)
+        print(f"built-in corpus: building it once into {final.parent} ({len(docs)} standard-library files; its "
+              f"tokenizer first, a byte-level BPE of {data.builtin_vocab_size} tokens)", file=sys.stderr, flush=True)
         tok = _train_tokenizer(docs, data.builtin_vocab_size, tmp / "tokenizer")
         n_docs, n_tokens, entropy = _write_indexed(tok, docs, str(tmp / "corpus"), data.builtin_vocab_size)
         return {
