@@ -73,8 +73,10 @@ def test_node_local_caches_fail_clearly_then_work_after_build_index(corpus, caps
 
     for cache in caches:  # what a user does on every node (or once, on a shared path)
         assert cli_main(["data", "build-index", "tiny_llama_cpu", *_overrides(tok_dir, prefix, Path(cache))]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "train: " in printed and f"data.cache_dir={Path(caches[1]).resolve()}" in printed
+    assert "build-index: Build and save the GPTDataset train indices" in captured.err  # megatron-core's own progress
     files0 = sorted(str(p.relative_to(caches[0])) for p in Path(caches[0]).joinpath("index").rglob("*.npy"))
     assert files0 == sorted(str(p.relative_to(caches[1])) for p in Path(caches[1]).joinpath("index").rglob("*.npy"))
     assert len(files0) >= 9

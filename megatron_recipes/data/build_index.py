@@ -45,6 +45,28 @@ def _files(folder) -> set:
     return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else set()
 
 
+@contextlib.contextmanager
+def megatron_core_progress() -> Iterator[None]:
+    """megatron-core's own INFO lines while it builds (each index it builds or loads, with its time) on
+    stderr: a build of minutes is otherwise silent."""
+    import logging
+    import sys
+
+    log = logging.getLogger("megatron.core.datasets")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("build-index: %(message)s"))
+    level, propagate = log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
+
+
 def build_index_caches(cfg: RunConfig) -> List[str]:
     """Build (or find) every index cache the recipe's job will read; returns lines to print."""
     from megatron_recipes.data import artifact_cache as cache
@@ -54,7 +76,7 @@ def build_index_caches(cfg: RunConfig) -> List[str]:
     folder = cache.index_cache_dir(cfg.data.cache_dir)  # one sub-folder per data content (pretrain.index_cache_path)
     before = _files(folder)
     tokenizer = load_tokenizer(cfg)
-    with single_process_group():
+    with single_process_group(), megatron_core_progress():
         datasets = build_pretrain_datasets(cfg, tokenizer)
     after = _files(folder)
     lines = [f"index caches in {folder}: {len(after - before)} new file(s), {len(after)} in total"]
