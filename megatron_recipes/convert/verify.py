@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -234,6 +236,12 @@ def check_same_model(hf_dir: Path, cfg: RunConfig, ckpt: Path) -> None:
         )
 
 
+def _phase(what: str, since: Optional[float] = None) -> None:
+    """What verify is doing now (minutes for a large model), on stderr; the table stays on stdout."""
+    took = f" [{time.monotonic() - since:.0f} s so far]" if since is not None else ""
+    print(f"verify: {what}{took}", file=sys.stderr, flush=True)
+
+
 def run_verify(hf_dir: Path, ckpt: Path, parallel: Optional[ParallelConfig] = None, tolerance: float = TOLERANCE) -> Metrics:
     """Compare ``hf_dir`` and ``ckpt`` logits at a layout; prints the table, raises RecipeError beyond tolerance."""
     resolved = checkpoint.resolve(Path(ckpt))
@@ -248,12 +256,16 @@ def run_verify(hf_dir: Path, ckpt: Path, parallel: Optional[ParallelConfig] = No
     cfg = checkpoint_config(resolved, layout, world)
     check_same_model(Path(hf_dir), cfg, resolved)
     tokens = prompt_tokens(cfg.model.vocab_size)
+    started = time.monotonic()
+    _phase(f"the HF model's logits ({hf_dir}, {tokens.shape[0]} x {tokens.shape[1]} tokens)")
     reference = hf_logits(Path(hf_dir), tokens)
+    _phase(f"the checkpoint's logits on {world} rank(s) at {layouts.layout_string(layout)}", started)
     with tempfile.TemporaryDirectory(prefix="mr-verify-") as tmp:
         torch.save(tokens, Path(tmp, "tokens.pt"))
         out = Path(tmp, "logits.pt")
         run_jobs([Job(str(resolved), layout, str(Path(tmp, "tokens.pt")), str(out))], world)
         ours = torch.load(out)
+    _phase("compared", started)
     metrics = compare(reference, ours)
     print(table([(f"HF vs checkpoint at {layouts.layout_string(layout)}", metrics)], tolerance), flush=True)
     if not metrics.ok(tolerance) and metrics.looks_unrelated():
