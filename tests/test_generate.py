@@ -307,3 +307,31 @@ def test_generation_stops_at_a_stop_text(shared_runs, data_cache):
     stop = stop_at(ids, k)
     [record] = generate_cli(models["ckpt"], PROMPTS[number], f"max_new_tokens={NEW_TOKENS}", f"stop={stop}")
     assert (record["text"], record["tokens"], record["finish_reason"]) == (text[: text.index(stop)], ids[:k], "stop")
+
+
+def test_the_tokenizer_must_be_the_one_the_checkpoint_recorded(data_cache, tmp_path):
+    """A run on an older build of the built-in tokenizer finds that build in the cache; a tokenizer that is
+    none of the cached ones is refused (its ids would name other tokens, silently)."""
+    import shutil
+
+    from data_support import small_cfg
+    from megatron_recipes.checkpoint import IDENTITY_KEY
+    from megatron_recipes.data.prompts import TokenizerMismatch, run_tokenizer
+
+    current = small_builtin(data_cache).tokenizer_dir
+    cache = tmp_path / "cache"
+    shutil.copytree(current.parent, cache / "builtin" / current.parent.name)  # today's build
+    older = _tokenizer_without_turn_tokens(cache / "builtin" / "an-older-build" / "tokenizer")  # yesterday's
+    cfg = small_cfg(cache, "data.kind=sft", "data.sft_path=builtin")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+
+    def recorded(tokenizer):
+        return {IDENTITY_KEY: {"tokenizer_sha": tokenizer.unique_identifiers["tokenizer_sha"]}}
+
+    got = run_tokenizer(cfg, ckpt, recorded(older))
+    assert got.unique_identifiers == older.unique_identifiers and got.source != current
+    today = run_tokenizer(cfg, ckpt, {})  # a checkpoint that recorded none: as found
+    assert run_tokenizer(cfg, ckpt, recorded(today)).unique_identifiers == today.unique_identifiers
+    with pytest.raises(TokenizerMismatch, match="not the one checkpoint"):
+        run_tokenizer(cfg, ckpt, {IDENTITY_KEY: {"tokenizer_sha": "0" * 16}})

@@ -48,29 +48,19 @@ class RunAssets:
         return f"tokenizer from {self.tokenizer_from}{chat}; generation_config.json eos_token_id {self.eos_token_ids}{stops}"
 
 
-def _run_tokenizer(cfg: RunConfig, resolved: Path, explicit: Optional[Path]):
-    """``hf_assets=`` when it holds a tokenizer, else the run's own (``data.tokenizer``, the import's, built-in)."""
-    from megatron_recipes.data.prompts import tokenizer_folder
+def _run_tokenizer(cfg: RunConfig, resolved: Path, meta: Dict[str, Any], explicit: Optional[Path]):
+    """``hf_assets=`` when it holds a tokenizer, else the run's own (``data.tokenizer``, the import's, built-in),
+    checked against the hash the checkpoint recorded (``data/prompts.run_tokenizer``)."""
+    from megatron_recipes.data.prompts import TokenizerMismatch, run_tokenizer
 
     if explicit is not None and has_tokenizer(explicit):
-        return tokenizer_folder(cfg, resolved, str(explicit)), None
+        return run_tokenizer(cfg, resolved, meta, str(explicit)), None
     try:
-        return tokenizer_folder(cfg, resolved, None, build_builtin=False), None
-    except RecipeError as exc:  # a checkpoint whose tokenizer is not here still exports its weights; the summary says so
-        return None, exc.message
-
-
-def _check_same_tokenizer(tokenizer, meta: Dict[str, Any], resolved: Path) -> None:
-    from megatron_recipes.checkpoint import IDENTITY_KEY
-
-    recorded = (meta.get(IDENTITY_KEY) or {}).get("tokenizer_sha")
-    found = tokenizer.unique_identifiers.get("tokenizer_sha")
-    if recorded and found != recorded:
-        raise RecipeError(
-            f"the tokenizer at {tokenizer.source} is not the one checkpoint '{resolved}' was trained with "
-            f"(content hash {found}, the checkpoint recorded {recorded}): its ids would name other tokens",
-            fix="pass hf_assets=<the folder of the tokenizer the run trained with>",
-        )
+        return run_tokenizer(cfg, resolved, meta, None, build_builtin=False), None
+    except TokenizerMismatch:
+        raise
+    except RecipeError as exc:
+        return None, exc.message  # a checkpoint whose tokenizer is not here still exports its weights; the summary says so
 
 
 def _generation_config(base: Dict[str, Any], maker, tokenizer) -> Dict[str, Any]:
@@ -95,9 +85,7 @@ class RunTokenizer:
 
     def __init__(self, cfg: RunConfig, resolved: Path, meta: Dict[str, Any], explicit: Optional[Path]) -> None:
         self.cfg = cfg
-        self.tokenizer, self.missing = _run_tokenizer(cfg, resolved, explicit)
-        if self.tokenizer is not None:
-            _check_same_tokenizer(self.tokenizer, meta, resolved)
+        self.tokenizer, self.missing = _run_tokenizer(cfg, resolved, meta, explicit)
 
     def write(self, out: Path, copied_from: Optional[Path]) -> RunAssets:
         """The tokenizer and ``generation_config.json`` into ``out``; ``copied_from``: the folder whose files

@@ -181,6 +181,13 @@ def builtin_data_for(data: Optional[DataConfig] = None, build_missing: bool = Tr
     )
 
 
+def cached_tokenizer_dirs(data: DataConfig) -> List[Path]:
+    """Every built-in tokenizer in the data cache, the builds of earlier versions or settings included
+    (a checkpoint names the one it trained with by content hash)."""
+    root = cache.cache_root(data.cache_dir) / "builtin"
+    return sorted(p / "tokenizer" for p in root.iterdir() if (p / "tokenizer" / "tokenizer.json").is_file()) if root.is_dir() else []
+
+
 def ensure_builtin_data(cfg: RunConfig) -> BuiltinData:
     """Build (once, under a lock) or reuse the built-in corpus, tokenizer and indexed dataset."""
     return builtin_data_for(cfg.data)

@@ -7,9 +7,11 @@ files and so makes the same ids; the engine then sees token ids only.
   the tokenizer files an import kept next to the checkpoint (``hf/``, also through ``checkpoint.pretrained``).
 - A fine-tuned run's prompt is rendered with its chat template and tokenized segment by segment, exactly
   as ``data/sft`` rendered its training conversations, so the model sees the prefix it learned to answer.
+- The tokenizer must hash to the one the checkpoint recorded (``run_tokenizer``): ids of another tokenizer
+  name other tokens, silently. A run on an older built-in tokenizer finds it among the cached builds.
 - An answer ends at the tokenizer's end-of-sequence token, the chat template's end-of-turn (one special
-  token, e.g. a Qwen tokenizer's ``<|im_end|>``; or its text, e.g. ``<|im_end|>`` spelled in several
-  tokens by the built-in tokenizer, which has no such token) or a ``stop=`` text. megatron-core's engine
+  token, e.g. the built-in or a Qwen tokenizer's ``<|im_end|>``; or its text, for a tokenizer that spells
+  it in several tokens) or a ``stop=`` text. megatron-core's engine
   stops on one token id; ``ended`` is what the engine asks after each new token for the others.
 """
 
@@ -66,6 +68,35 @@ def tokenizer_folder(cfg: RunConfig, ckpt: Path, explicit: Optional[str], build_
     raise RecipeError(
         f"checkpoint '{ckpt}' names no tokenizer (data.tokenizer={cfg.data.tokenizer}, no tokenizer files beside it)",
         fix="pass tokenizer=<the HF tokenizer folder the model was trained with>",
+    )
+
+
+class TokenizerMismatch(RecipeError):
+    """A tokenizer other than the one the checkpoint trained with."""
+
+
+def run_tokenizer(cfg: RunConfig, ckpt: Path, meta: dict, explicit: Optional[str] = None, build_builtin: bool = True):
+    """``tokenizer_folder``'s tokenizer, checked against the content hash ``ckpt`` recorded; for a run on the
+    built-in tokenizer whose build has changed since, the cached build it trained with."""
+    from megatron_recipes.checkpoint import IDENTITY_KEY
+    from megatron_recipes.data.tokenizer import BUILTIN, load_tokenizer_dir
+
+    tokenizer = tokenizer_folder(cfg, ckpt, explicit, build_builtin)
+    recorded = (meta.get(IDENTITY_KEY) or {}).get("tokenizer_sha")
+    found = tokenizer.unique_identifiers.get("tokenizer_sha")
+    if not recorded or found == recorded:
+        return tokenizer
+    if not explicit and cfg.data.tokenizer == BUILTIN:
+        from megatron_recipes.data.builtin import cached_tokenizer_dirs
+
+        for folder in cached_tokenizer_dirs(cfg.data):
+            older = load_tokenizer_dir(folder)
+            if older.unique_identifiers.get("tokenizer_sha") == recorded:
+                return older
+    raise TokenizerMismatch(
+        f"the tokenizer at {tokenizer.source} is not the one checkpoint '{ckpt}' was trained with "
+        f"(content hash {found}, the checkpoint recorded {recorded}): its ids would name other tokens",
+        fix="pass the folder of the tokenizer the run trained with (tokenizer=, or hf_assets= for an export)",
     )
 
 

@@ -81,10 +81,10 @@ def prepare(argv: List[str]) -> Plan:
         require_lm_eval()
         task_manager(*resolve(opts.task_list(), opts.include_path))  # an unknown task is refused before any rank starts
     if "answers" in measures or "tasks" in measures:
-        from megatron_recipes.data.prompts import PromptMaker, tokenizer_folder, wants_chat
+        from megatron_recipes.data.prompts import PromptMaker, run_tokenizer, wants_chat
         from megatron_recipes.data.tokenizer import check_fits_model
 
-        plan.tokenizer = tokenizer_folder(cfg, resolved, None)
+        plan.tokenizer = run_tokenizer(cfg, resolved, meta)
         check_fits_model(plan.tokenizer, cfg)
         if wants_chat(cfg, None):
             plan.maker = PromptMaker(plan.tokenizer, cfg, chat=True)

@@ -85,7 +85,7 @@ def prepare(argv: Sequence[str]):
     """Everything every rank needs, checked: (job, prompt maker, prompts, options, flags)."""
     from megatron_recipes.data.tokenizer import check_fits_model
     from megatron_recipes.generate.engine import Job, Sampling
-    from megatron_recipes.data.prompts import PromptMaker, tokenizer_folder, wants_chat
+    from megatron_recipes.data.prompts import PromptMaker, run_tokenizer, wants_chat
 
     positional, overrides, flags = split(argv)
     if not positional:
@@ -96,7 +96,7 @@ def prepare(argv: Sequence[str]):
         os.environ[checkpoint.TRUST_ENV] = "1"
     resolved, cfg, meta = checkpoint.read_run(checkpoint_of(positional[0]))
     layout = layout_for(meta.get("layout") or {}, opts.parallel.given())
-    tokenizer = tokenizer_folder(cfg, resolved, opts.tokenizer)
+    tokenizer = run_tokenizer(cfg, resolved, meta, opts.tokenizer)
     check_fits_model(tokenizer, cfg)
     maker = PromptMaker(tokenizer, cfg, wants_chat(cfg, opts.chat), opts.stop)
     encoded = [maker.encode(p) for p in prompts]

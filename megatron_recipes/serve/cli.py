@@ -79,7 +79,7 @@ def main(argv: List[str]) -> int:
 
     patches.apply("process")
     from megatron_recipes.convert import layout as layouts
-    from megatron_recipes.data.prompts import PromptMaker, tokenizer_folder
+    from megatron_recipes.data.prompts import PromptMaker, run_tokenizer
     from megatron_recipes.data.tokenizer import check_fits_model
     from megatron_recipes.generate.cli import default_dtype, layout_for
     from megatron_recipes.training.cli import quiet_known_warnings, spawn_local, under_launcher
@@ -89,7 +89,7 @@ def main(argv: List[str]) -> int:
         os.environ[checkpoint.TRUST_ENV] = "1"
     resolved, cfg, meta = checkpoint.read_run(checkpoint.resolve(Path(args.positional[0])))
     layout = layout_for(meta.get("layout") or {}, opts.parallel.given())
-    tokenizer = tokenizer_folder(cfg, resolved, opts.tokenizer)
+    tokenizer = run_tokenizer(cfg, resolved, meta, opts.tokenizer)
     check_fits_model(tokenizer, cfg)
     world = layouts.min_world_size(layout)
     if not under_launcher() and world > 1:
