@@ -3,7 +3,7 @@ the run trained with and a ``generation_config.json`` that stops where the run's
 
 Why: an export of a run on the built-in tokenizer (or of a fine-tuning run) had no tokenizer at all, and
 greedy ``generate`` ran past the end of the answer because nothing named the end token. The tokenizer is
-found as ``generate`` finds it (``data/prompts.tokenizer_folder``) and must hash to the tokenizer the
+found and checked as ``generate`` finds it (``data/prompts.run_tokenizer``): it must hash to the tokenizer the
 checkpoint recorded (``meta.json``'s ``run_identity``): an export never ships another tokenizer under the
 run's weights. A fine-tuning run's tokenizer carries the chat template it was trained with, so
 ``apply_chat_template`` renders prompts as training did. Where an answer ends is ``PromptMaker``'s
