@@ -103,3 +103,12 @@ def test_a_local_sweep_trains_each_combination_in_its_own_run_dir(tmp_path, data
         steps = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
         assert any(r.get("step") == 2 for r in steps)
     assert sorted(p.name for p in base.iterdir()) == ["optimizer.lr=1e-3", "optimizer.lr=2e-3"]
+
+
+def test_cfg_job_prints_each_combinations_recipe_without_running_it(capsys):
+    from megatron_recipes.cli import main
+
+    assert main(["train", "tiny_llama_cpu", "-m", "optimizer.lr=1e-3,2e-3", "--cfg", "job"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("# sweep run optimizer.lr=") == 2 and "dir: runs/tiny_llama_cpu/optimizer.lr=2e-3" in out
+    assert "lr: 0.002" in out and "=== sweep run" not in out  # printed, not trained

@@ -144,7 +144,15 @@ def main(argv: List[str]) -> int:
         from megatron_recipes.training.sweep import run_sweep
 
         args = split_args(argv, PROG, flags=FLAGS)
-        return run_sweep(args.recipe, sweep, [f"--cfg={args.flags['cfg']}"] if args.flags.get("cfg") else [])
+        if args.flags.get("cfg"):  # --cfg job: each combination's resolved recipe, nothing validated or trained
+            from megatron_recipes.config.compose import compose_recipe
+
+            for combination in sweep:
+                base = compose_recipe(args.recipe, combination.overrides).run.dir
+                print(f"# sweep run {combination.name}")
+                hydra_cfg(args.flags["cfg"], compose_recipe(args.recipe, combination.with_run_dir(base)))
+            return 0
+        return run_sweep(args.recipe, sweep)
     args, cfg = _compose(argv)  # once per process: composition costs seconds of CPU
     recipe = args.recipe
     if hydra_cfg(args.flags.get("cfg"), cfg):  # --cfg job: the resolved recipe, nothing trained

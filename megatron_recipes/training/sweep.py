@@ -46,14 +46,14 @@ def plan_runs(recipe: str, combinations: Sequence[Combination]) -> List[Planned]
     return planned
 
 
-def run_sweep(recipe: str, combinations: Sequence[Combination], flags: Sequence[str] = ()) -> int:
+def run_sweep(recipe: str, combinations: Sequence[Combination]) -> int:
     """Train every combination; 0 when all succeeded, else the first failure's exit code."""
     planned = plan_runs(recipe, combinations)
     print(f"sweep: {len(planned)} runs of {recipe}, one after another", flush=True)
     codes: List[int] = []
     for number, run in enumerate(planned, 1):
         print(f"\n=== sweep run {number}/{len(planned)}: {run.combination.name} -> {run.run_dir}", flush=True)
-        command = [sys.executable, "-m", "megatron_recipes.cli", "train", recipe, *run.overrides, *flags]
+        command = [sys.executable, "-m", "megatron_recipes.cli", "train", recipe, *run.overrides]
         try:
             code = subprocess.call(command)
         except KeyboardInterrupt:
