@@ -139,11 +139,11 @@ def main(argv: List[str]) -> int:
     from megatron_recipes.config.sweep import expand, take_multirun
 
     argv, multirun = take_multirun(argv)
-    sweep = expand(split_args(argv, PROG, flags=FLAGS).overrides, multirun)
+    args = split_args(argv, PROG, flags=FLAGS)
+    sweep = expand(args.overrides, multirun)
     if sweep is not None and not under_launcher():  # -m: one run per combination, one after another
         from megatron_recipes.training.sweep import run_sweep
 
-        args = split_args(argv, PROG, flags=FLAGS)
         if args.flags.get("cfg"):  # --cfg job: each combination's resolved recipe, nothing validated or trained
             from megatron_recipes.config.compose import compose_recipe
 
