@@ -30,7 +30,7 @@ SUBCOMMANDS = {
     "complete": ("megatron_recipes.completion:complete_main", "(the completion script's question: candidates)"),
 }
 
-# subcommands that import megatron-core: the entry point applies runtime/patches.py's "process" scope first
+# subcommands that import megatron-core: the entry point applies runtime/patches/'s "process" scope first
 USE_MEGATRON_CORE = ("train", "plan", "check", "convert", "report")  # generate and eval apply it after --help
 
 USAGE = "usage: megatron-recipes <subcommand> <recipe> [key=value ...] [--flags]\n\nsubcommands:\n" + "\n".join(
@@ -39,7 +39,7 @@ USAGE = "usage: megatron-recipes <subcommand> <recipe> [key=value ...] [--flags]
 
 
 class _ProcessPatches(importlib.abc.MetaPathFinder):
-    """Applies runtime/patches.py's ``process`` scope the moment megatron-core is first imported, not before:
+    """Applies runtime/patches/'s ``process`` scope the moment megatron-core is first imported, not before:
     help, a flag typo or a bad override then answers without the seconds torch and megatron-core take."""
 
     def find_spec(self, name, path=None, target=None):

@@ -1,6 +1,6 @@
 """``python -m megatron_recipes.train`` and ``torchrun -m megatron_recipes.train``: one rank's entry.
 
-Applies the ``process`` patches (runtime/patches.py) before megatron-core is imported. The checkpoint
+Applies the ``process`` patches (runtime/patches/) before megatron-core is imported. The checkpoint
 writer no longer starts megatron-core's ``spawn`` manager (the ``save`` patch), so nothing re-imports
 this module; the ``__main__`` guard is only the usual one.
 """

@@ -4,7 +4,7 @@
 Why: megatron-core 0.16 reduced an unsharded gradient buffer into a copy and added it back, and zero1 without
 ``overlap_grad_reduce`` reduced it a second time in ``finish_grad_sync``: gradients x2 per reduction on one rank
 (x9.6 here with 4 micro-batches under zero3), x2 under zero1, silently; patch row ``fsdp-unsharded-grad-reduce``
-(runtime/patches.py) corrects it. Adam hides a uniform factor, so the runs use Adam stepping like SGD
+(runtime/patches/) corrects it. Adam hides a uniform factor, so the runs use Adam stepping like SGD
 (``ADAM_AS_SGD``): the update is the gradient, and the logged gradient norm and the step-2 loss show any factor.
 Same weights (``set_base_weights``), same global batches of 8 (4 micro-batches on one rank, 2 per rank at
 DP=2: gradient accumulation), two steps, compared with one-rank DDP.

@@ -1,4 +1,4 @@
-"""The patch table (runtime/patches.py): every row still needed by the installed megatron-core/torch, every
+"""The patch table (runtime/patches/): every row still needed by the installed megatron-core/torch, every
 row fixing what it claims once applied, each row naming an existing test, and nothing patched on import.
 
 Each check runs in a fresh interpreter: patches are process-wide, and "needed" must look at the

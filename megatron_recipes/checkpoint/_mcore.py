@@ -12,7 +12,7 @@ address. Separately, each forked writer calls ``psutil`` before its error handli
 writer dies silently and the parent waits forever on its completion queue.
 
 The queue only carries results back to the process that saves when the save is synchronous, and ours
-are, so each save runs under the ``save`` patch of ``runtime/patches.py``: an in-process ``queue.Queue``
+are, so each save runs under the ``save`` patch of ``runtime/patches/``: an in-process ``queue.Queue``
 in that slot for the duration of the save (no Manager, no re-imported entry script; format, strategies
 and resharding exactly megatron-core's). psutil is checked up front with a clear error.
 """

@@ -105,7 +105,7 @@ def build_gpt_model(
     use_te = capabilities.use_transformer_engine() if use_te is None else use_te
     if not capabilities.detect().transformer_engine:
         # megatron-core's fallbacks without TE (MoE router GEMM, Megatron-FSDP's TELinear check) fail on a
-        # GPU image without TE as on the CPU lane: runtime/patches.py scope no_te
+        # GPU image without TE as on the CPU lane: runtime/patches/ scope no_te
         patches.apply("no_te")
     config = config or transformer_config_for(cfg)
     m = cfg.model

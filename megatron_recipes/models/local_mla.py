@@ -8,7 +8,7 @@ own head size and MLA passes its softmax scale), so this subclass takes the two 
 output from ``v_channels``. Used only where the TE spec is not (the CPU lane, conversion).
 
 Two more defects of megatron-core's MLA module on this path (``HAVE_TE`` set with placeholder classes, the
-YaRN embedding built for CUDA) are the ``local_mla`` rows of ``runtime/patches.py``, applied here.
+YaRN embedding built for CUDA) are the ``local_mla`` rows of ``runtime/patches/``, applied here.
 """
 
 from __future__ import annotations

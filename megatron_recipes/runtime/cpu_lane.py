@@ -257,7 +257,7 @@ def activate() -> bool:
             "this machine has a GPU, so train on it directly"
         )
     _patch_cuda_namespace()
-    patches.apply("cpu_lane")  # megatron-core's own CUDA-only corners (runtime/patches.py)
+    patches.apply("cpu_lane")  # megatron-core's own CUDA-only corners (runtime/patches/)
     patches.apply("no_te")  # and its fallbacks without TE, which no CPU runs (also applied by the model builder)
     _patch_tensor_type()
     _patch_all_to_all()

@@ -1,4 +1,4 @@
-"""A module imported on first use (the ``defer-wandb-import`` row of runtime/patches.py)."""
+"""A module imported on first use (the ``defer-wandb-import`` row of runtime/patches/)."""
 
 from __future__ import annotations
 

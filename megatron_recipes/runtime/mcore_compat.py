@@ -4,7 +4,7 @@ Why one module: 0.16.1 to 0.19.2 renamed private helpers, moved the common check
 ``.distcp`` files and started building layers from ``functools.partial`` specs. Each such difference is
 named here once, with the release that introduced it, so callers ask a question ("does this release
 write common.pt?") instead of guessing with ``try/except AttributeError`` (read from each release's
-source: 0.16.1, 0.17.1, 0.18.2, 0.19.2). The patch table (``patches.py``) records its own ranges.
+source: 0.16.1, 0.17.1, 0.18.2, 0.19.2). The patch table (``patches/``) records its own ranges.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def wrap_model(cfg: RunConfig, chunks: List[torch.nn.Module]) -> List[torch.nn.M
     if ddp.use_megatron_fsdp:
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel as wrapper
 
-        patches.apply("fsdp")  # its reduction of unsharded grad buffers (runtime/patches.py)
+        patches.apply("fsdp")  # its reduction of unsharded grad buffers (runtime/patches/)
     # As Megatron-LM: only the first chunk buckets its grads; later VPP chunks' reduction overlaps with
     # the remaining compute anyway.
     return [
@@ -216,7 +216,7 @@ def build_optimizer(cfg: RunConfig, model: List[torch.nn.Module]):
     from megatron.core.optimizer import get_megatron_optimizer
 
     optimizer = get_megatron_optimizer(optimizer_config(cfg), model)
-    patches.apply("optimizer", optimizer)  # megatron-core's plain-torch optimizer path (runtime/patches.py)
+    patches.apply("optimizer", optimizer)  # megatron-core's plain-torch optimizer path (runtime/patches/)
     return optimizer
 
 
