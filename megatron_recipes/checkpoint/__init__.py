@@ -14,6 +14,8 @@ behind them are private (tests/test_package_imports.py enforces it):
 - ``_async``      saves written in the background (checkpoint.async_save), one in flight at a time
 - ``_start``      what a training run starts from (resume, pretrained/base/seed weights)
 - ``_run_identity`` what a resume must match beyond the model (tokenizer, PEFT and its base, data)
+- ``_foreign``    Megatron-LM and Megatron-Bridge checkpoints described in our terms (read), and what
+                  Megatron-LM's ``load_checkpoint`` needs in ours (written)
 
 The folder-level names import no torch (``megatron-recipes report`` reads checkpoint folders); the rest
 load on first use.

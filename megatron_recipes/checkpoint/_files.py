@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from megatron_recipes import files
+from megatron_recipes.checkpoint import _foreign
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig
 from megatron_recipes.runtime import mcore_compat
@@ -70,6 +71,11 @@ def read_meta(ckpt_dir: Path) -> Dict[str, Any]:
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        if _foreign.kind(ckpt_dir) is not None:  # Megatron-LM / Megatron-Bridge: described from its own record
+            if not _foreign.complete(ckpt_dir):
+                raise RecipeError(f"'{ckpt_dir}' is an incomplete megatron-core checkpoint (no .metadata: its save "
+                                  "did not finish)", fix="point at a complete iter_NNNNNNN folder") from None
+            return _foreign.meta(ckpt_dir, FORMAT, FORMAT_VERSION)
         raise RecipeError(
             f"'{ckpt_dir}' is not a complete checkpoint: it has no {META} (a save that was interrupted, "
             "or a folder that is not a megatron-recipes checkpoint)",
@@ -290,6 +296,8 @@ def read_run(path: Path) -> SavedRun:
 
     resolved = resolve_dir(Path(path))
     meta = read_meta(resolved)
+    if meta.get("source"):  # Megatron-LM / Megatron-Bridge: no config.yaml, its own record describes the run
+        return SavedRun(resolved, _foreign.run_config(resolved), meta)
     cfg = rebase_inputs(from_yaml(resolved / CONFIG), resolved, CHECKPOINTS, meta.get("launch_dir"))  # from any folder
     return SavedRun(resolved, cfg, meta)
 

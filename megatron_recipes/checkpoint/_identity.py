@@ -48,7 +48,12 @@ def _plain(value: Any) -> Any:
 
 def model_fingerprint(cfg: RunConfig) -> Dict[str, Any]:
     """The architecture fields of ``cfg.model``: equal fingerprints mean interchangeable weights."""
-    fields = dataclasses.asdict(cfg.model)
+    return fingerprint_of(cfg.model)
+
+
+def fingerprint_of(model) -> Dict[str, Any]:
+    """``model_fingerprint`` of a ``ModelConfig`` alone (a foreign checkpoint's, described from its own record)."""
+    fields = dataclasses.asdict(model)
     for key in _LABELS | _NOT_WEIGHTS:
         fields.pop(key, None)
     if fields.get("position_embedding_type") != "learned_absolute":

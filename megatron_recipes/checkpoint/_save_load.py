@@ -25,6 +25,7 @@ import torch
 from megatron_recipes import files
 from megatron_recipes.checkpoint import _adapters
 from megatron_recipes.checkpoint import _checksums as checksums
+from megatron_recipes.checkpoint import _foreign as foreign
 from megatron_recipes.checkpoint import _files as store
 from megatron_recipes.checkpoint import _formats as formats
 from megatron_recipes.checkpoint import _fsdp as fsdp_ckpt
@@ -222,6 +223,9 @@ def save(
             sharded["scheduler"] = scheduler.state_dict()
         sharded[io.RNG_KEY] = io.rng_object(io.capture_rng())
         sharded["state"] = dict(state)
+        # what Megatron-LM's load_checkpoint reads first (args, checkpoint_version, iteration, its scheduler)
+        sharded.update(foreign.common_keys(cfg, step, int(state.get("consumed_samples", 0)), fmt, optimizer is not None,
+                                           sharded.get("scheduler")))
     if background is not None and not fsdp:
         meta = _meta(step, cfg, len(model_chunks), optimizer, scheduler, fmt, record)
         request = io.save_async(sharded, store.staging_dir(root, step), content_metadata=io.content_metadata(metadata))
@@ -260,12 +264,16 @@ def _complete(root: Path, step: int, meta: Dict[str, Any], cfg: RunConfig, keep_
     on_rank0("finishing the checkpoint", lambda: _finish(root, step, meta, cfg, keep_last))
 
 
-def weights_state(model_chunks: List[torch.nn.Module], state: Dict[str, Any]) -> Dict[str, Any]:
+def weights_state(model_chunks: List[torch.nn.Module], state: Dict[str, Any], cfg: Optional[RunConfig] = None) -> Dict[str, Any]:
     """The sharded state dict ``save`` writes for weights only, without the per-rank RNG streams: what the HF
-    importer streams tensor by tensor into ``prepare_staging(root, step)`` before ``finish_weights_only``."""
+    importer streams tensor by tensor into ``prepare_staging(root, step)`` before ``finish_weights_only``.
+    With ``cfg``, what Megatron-LM reads first too (an HF import is where Megatron-LM fine-tuning starts)."""
     metadata = io.sharded_metadata(None)
     sharded = io.model_state(model_chunks, metadata)
     sharded["state"] = dict(state)
+    if cfg is not None:
+        step = int(state.get("step", 0))
+        sharded.update(foreign.common_keys(cfg, step, int(state.get("consumed_samples", 0)), None, False, None))
     sharded["content_metadata"] = io.content_metadata(metadata)  # where megatron-core's save puts it
     return sharded
 
@@ -321,6 +329,11 @@ def _trust(cfg: Optional[RunConfig]) -> bool:
     return bool(cfg is not None and cfg.checkpoint.trust_code)
 
 
+def _say_foreign(ckpt: Path, meta: Dict[str, Any]) -> None:
+    if torch.distributed.get_rank() == 0:
+        print(foreign.summary(ckpt, meta), flush=True)
+
+
 def _load_models(model_chunks: List[torch.nn.Module], loaded: Dict[str, Any]) -> None:
     models = io.unwrap(model_chunks)
     for key, model in zip(io.chunk_keys(len(models)), models):
@@ -359,6 +372,10 @@ def load(
         identity.check_same_optimizer(contents, ckpt, cfg)
     if scheduler is not None and not contents.get("scheduler"):
         raise RecipeError(f"checkpoint '{ckpt}' has no LR scheduler state", fix="load it with checkpoint.pretrained")
+    if meta.get("source"):
+        if optimizer is not None:
+            foreign.refuse_resume(ckpt)
+        _say_foreign(ckpt, meta)
     saved_layout, now = meta.get("layout", {}), _runtime_layout(cfg)
     if fsdp_ckpt.is_fsdp(model_chunks) or fsdp_ckpt.is_fsdp_checkpoint(meta):  # [FSDP hook]
         return fsdp_ckpt.load(ckpt, meta, model_chunks, optimizer, scheduler, now, _trust(cfg))
@@ -397,11 +414,14 @@ def load(
     if optimizer is not None:
         saved_parts, parts_now = int(contents.get("optimizer_parts") or 1), io.optimizer_parts(optimizer)
         io.load_optimizer(optimizer, io.regroup_optimizer_state(loaded["optimizer"], saved_parts, parts_now))
+    if meta.get("source"):  # Megatron-LM / Megatron-Bridge: its scheduler counts samples, its progress is its own
+        scheduler_state, state = foreign.resume_parts(ckpt, loaded)
+    else:
+        scheduler_state, state = loaded.get("scheduler"), dict(loaded.get("state") or {})
     if scheduler is not None:
-        scheduler.load_state_dict(loaded["scheduler"])
+        scheduler.load_state_dict(scheduler_state)
     if io.RNG_KEY in sharded:
         io.restore_rng(loaded[io.RNG_KEY])
-    state = dict(loaded.get("state") or {})
     state.setdefault("step", meta.get("step"))
     return state
 
@@ -418,6 +438,8 @@ def load_weights(path: Path, model_chunks: List[torch.nn.Module], cfg: RunConfig
     store.require_readable_here(ckpt, meta)
     identity.check_same_model(meta, cfg, ckpt)
     checksums.verify(ckpt, meta)
+    if meta.get("source"):
+        _say_foreign(ckpt, meta)
     if fsdp_ckpt.is_fsdp(model_chunks) or fsdp_ckpt.is_fsdp_checkpoint(meta):  # [FSDP hook]
         fsdp_ckpt.load_weights(ckpt, meta, model_chunks, _runtime_layout(cfg), _trust(cfg))
         return

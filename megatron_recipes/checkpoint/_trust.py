@@ -10,7 +10,8 @@ A torch_dist checkpoint holds three kinds of pickles (read from torch 2.13 and m
 
 While ``restricted_loading()`` is active, ``.metadata`` goes through an unpickler that admits only the
 classes the checkpoint index is made of, and every ``torch.load`` runs with ``weights_only=True``
-(megatron-core registers the few extra classes its own files need as torch safe globals). Anything else
+(megatron-core registers the few extra classes its own files need as torch safe globals; a Megatron-LM
+``args`` Namespace and the enums it holds are admitted too). Anything else
 stops the load with one message naming the file. ``checkpoint.trust_code=true`` (training) or
 ``--trust-checkpoint`` (convert) lifts both for checkpoints the user made or trusts.
 """
@@ -46,6 +47,29 @@ _EXTRA = {
     ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex"),
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # StorageMeta.checkpoint_id of a path-given save
 }
+
+
+# A Megatron-LM checkpoint's common state carries the training command's arguments (``args``): an
+# ``argparse.Namespace`` of plain values, torch dtypes, a ``signal.Signals`` and megatron-core's enums.
+# Building those runs no code from the file (a Namespace is filled attribute by attribute, an enum is
+# looked up by value), so a weights-only load admits exactly them.
+_ARGS_ENUM_MODULES = ("megatron.core.enums", "megatron.core.transformer.enums")
+
+
+def _args_globals() -> list:
+    import argparse
+    import importlib
+    import signal
+
+    admitted: list = [argparse.Namespace, signal.Signals]
+    for name in _ARGS_ENUM_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        admitted += [obj for obj in vars(module).values()
+                     if isinstance(obj, type) and issubclass(obj, enum.Enum) and obj.__module__ == name]
+    return admitted
 
 
 class UntrustedCheckpoint(RecipeError):
@@ -130,7 +154,8 @@ def restricted_loading(trust: bool = False) -> Iterator[None]:
     saved_pickle, saved_load = filesystem.pickle, torch.load
     filesystem.pickle, torch.load = _restricted_pickle_module(), _weights_only_load(saved_load)
     try:
-        yield
+        with torch.serialization.safe_globals(_args_globals()):
+            yield
     finally:
         filesystem.pickle, torch.load = saved_pickle, saved_load
 

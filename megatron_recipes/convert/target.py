@@ -111,7 +111,7 @@ def checkpoint_layout(cfg: RunConfig, state: Optional[Dict[str, object]] = None)
         config.perform_initialization = False
         with torch.device("meta"):
             model = build_gpt_model(meta, config=config, use_te=False)
-            sharded = checkpoint.weights_state([model], state or {"step": 0})
+            sharded = checkpoint.weights_state([model], state or {"step": 0}, cfg)
             sharded_part, common = save_preprocess(sharded, validate_access_integrity=False)
         grouped: Dict[Tuple[str, Tuple[int, ...]], Item] = {}
         objects: Dict[str, object] = {}
