@@ -73,10 +73,14 @@ def test_shrunk_recipe_passes_every_rule(recipe):
     assert layout.model.moe_router_topk == cfg.model.moe_router_topk
 
 
+FIRST_LAST = ["parallel.vpp=null", "parallel.pipeline_layout=null", "parallel.num_layers_in_first_pipeline_stage=3",
+              "parallel.num_layers_in_last_pipeline_stage=2"]  # DeepSeek-V3's 61 layers as 3 + 14x4 + 2 over PP16
+
+
 def test_layers_per_stage_and_chunk_are_kept():
     for full, per_middle in ((True, 4), (False, 2)):  # 3 + 14x4 + 2 layers over PP16; the cap keeps first/last
-        _, _, planned, notes, _ = plan_runs("deepseek_v3_pretrain", [], 8, 6, 4, full_depth=full)
-        layout = compose_recipe("deepseek_v3_pretrain", planned["layout"])
+        _, _, planned, notes, _ = plan_runs("deepseek_v3_pretrain", FIRST_LAST, 8, 6, 4, full_depth=full)
+        layout = compose_recipe("deepseek_v3_pretrain", FIRST_LAST + planned["layout"])
         p = layout.parallel
         assert (p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage) == (3, 2)
         assert (layout.model.num_layers - 5) // (p.pp - 2) == per_middle and layout.model.moe_first_dense_layers == 3
@@ -84,6 +88,23 @@ def test_layers_per_stage_and_chunk_are_kept():
     _, _, planned, _, _ = plan_runs("llama3_70b_pretrain", [], 8, 6, 4, full_depth=True)  # 80 / (PP4 x VPP5) = 4
     l70 = compose_recipe("llama3_70b_pretrain", planned["layout"])
     assert l70.model.num_layers // (l70.parallel.pp * l70.parallel.vpp) == 4
+
+
+def test_pipeline_layout_is_shrunk_with_its_kinds_of_stages():
+    """deepseek_v3_pretrain's "Et*3|(tt|)*29,m|L" on the 8 ranks a check has (PP 16 -> 4, VPP 2 kept): the
+    first stage as written, the MTP layer and the loss each alone in a closing stage, 2 layers per other chunk."""
+    from megatron_recipes.config import pipeline_layout
+
+    for full in (True, False):
+        cfg, small, planned, notes, _ = plan_runs("deepseek_v3_pretrain", [], 8, 6, 4, full_depth=full)
+        layout = compose_recipe("deepseek_v3_pretrain", planned["layout"])
+        p = layout.parallel
+        assert (p.pp, p.vpp) == (small.degrees.pp, cfg.parallel.vpp) == (4, 2)
+        flat = pipeline_layout.stages(p.pipeline_layout)
+        assert flat[0] == "Ettt" and flat[-2:] == ["m", "L"] and set(flat[1:-2]) == {"tt"}, flat
+        assert layout.model.num_layers == "".join(flat).count("t") and layout.model.mtp_num_layers == 1
+        reference = compose_recipe("deepseek_v3_pretrain", planned["reference"])
+        assert reference.parallel.pipeline_layout is None and reference.model.num_layers == layout.model.num_layers
 
 
 def test_vocabulary_padding_is_kept_and_matched_by_the_reference():

@@ -28,7 +28,9 @@ def _grads_for_two_batches(overrides):
     cfg = compose_recipe("tiny_llama_cpu", overrides)
     runtime = distributed.init_model_parallel(cfg)
     (model,) = build_model_chunks(cfg)
-    forward_step = step.make_forward_step(runtime.device, use_te=False, mtp=True)
+    from megatron_recipes.config import derived
+
+    forward_step = step.make_forward_step(runtime.device, use_te=False, mtp=derived.mtp_stage(cfg))
     vocab = cfg.model.vocab_size
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=g)

@@ -67,6 +67,9 @@ DENSE_LAYOUTS = {
     # 126 over 8 x 8): [emb, 0] [1, 2] [3, loss]; the trainer must build what the planner places
     "pp3_counted": (3, ["parallel.pp=3", "parallel.account_for_embedding_in_pipeline_split=true",
                         "parallel.account_for_loss_in_pipeline_split=true"]),
+    # a custom pipeline layout (megatron-core's pipeline_model_parallel_layout), uneven and interleaved: rank 0
+    # holds [emb, 0] and [3], rank 1 holds [1, 2] and a last chunk with the loss alone
+    "pp2_vpp2_layout": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_layout='Et|tt|t|L'"]),
 }
 
 

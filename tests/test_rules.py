@@ -63,6 +63,7 @@ CASES: Dict[str, Case] = {
     "sp.needs_tp": (TINY, ("parallel.tp=1", "parallel.sp=true"), ("parallel.sp=true",)),
     "sp.sequence_divisible": (TINY, ("parallel.sp=true", "train.seq_length=129"), ("parallel.sp=true", "train.seq_length=130")),
     "pp.layer_split": (TINY, PP2 + ("parallel.vpp=4",), PP2 + ("parallel.vpp=2",)),
+    "pp.pipeline_layout": (TINY, PP2 + ("parallel.pipeline_layout='Ett||ttL'",), PP2 + ("parallel.pipeline_layout='Ett|ttL'",)),
     "pp.vpp_value": (TINY, ("parallel.vpp=2",), PP2 + ("parallel.vpp=2",)),
     "pp.interleaved_microbatches": (TINY, PP2 + ("parallel.vpp=2", "train.global_batch_size=24"), PP2 + ("parallel.vpp=2", "train.global_batch_size=32")),
     "pp.pipeline_fill": (TINY, PP2 + ("train.global_batch_size=8",), PP2),

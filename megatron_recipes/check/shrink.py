@@ -106,6 +106,11 @@ def _layers(cfg: RunConfig, pp: int, max_per_chunk: Optional[int]) -> Dict[str, 
     kept as they are); ``max_per_chunk`` caps the even part, so a 24-layer stage runs as 2 on CPU."""
     p, m = cfg.parallel, cfg.model
     vpp = p.vpp or 1
+    if p.pipeline_layout and pp > 1:  # the same kinds of stages (embedding, MTP, loss placed as the layout does)
+        from megatron_recipes.config import pipeline_layout
+
+        shrunk = pipeline_layout.shrink(p.pipeline_layout, p.pp, pp, max_per_chunk)
+        return {"model.num_layers": "".join(pipeline_layout.stages(shrunk)).count("t"), "parallel.pipeline_layout": shrunk}
     first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
     cap = (lambda n: min(n, max_per_chunk)) if max_per_chunk else (lambda n: n)  # noqa: E731
     if first is None and last is None:
@@ -187,6 +192,8 @@ def _fmt(value: object) -> str:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, str) and any(c in value for c in "|*(),[]{}= "):  # a pipeline layout: one quoted value
+        return "'" + value + "'"
     return str(value)
 
 
@@ -245,7 +252,8 @@ def shrink(cfg: RunConfig, max_ranks: int = 8, max_layers_per_chunk: Optional[in
             f"{p.cp_comm_type} exchange needs Transformer Engine and is validated only, not proven"
         )
     if d.pp == 1:
-        layout.update({"parallel.vpp": None, "parallel.num_layers_in_first_pipeline_stage": None,
+        layout.update({"parallel.vpp": None, "parallel.pipeline_layout": None,
+                       "parallel.num_layers_in_first_pipeline_stage": None,
                        "parallel.num_layers_in_last_pipeline_stage": None,
                        "parallel.account_for_embedding_in_pipeline_split": False,
                        "parallel.account_for_loss_in_pipeline_split": False})
@@ -254,7 +262,8 @@ def shrink(cfg: RunConfig, max_ranks: int = 8, max_layers_per_chunk: Optional[in
     # The reference: one rank, the same model; its vocabulary padded to the layout's row count.
     multiple = max(1, cfg.model.make_vocab_size_divisible_by) * d.tp
     reference = dict(common)
-    reference.update({"parallel.tp": 1, "parallel.pp": 1, "parallel.vpp": None, "parallel.cp": 1, "parallel.ep": 1,
+    reference.update({"parallel.tp": 1, "parallel.pp": 1, "parallel.vpp": None, "parallel.pipeline_layout": None,
+                      "parallel.cp": 1, "parallel.ep": 1,
                       "parallel.etp": None, "parallel.sp": False,
                       "parallel.num_layers_in_first_pipeline_stage": None,
                       "parallel.num_layers_in_last_pipeline_stage": None,

@@ -38,6 +38,7 @@ MODEL_PARALLEL_FIELDS = (
     "num_layers_in_last_pipeline_stage",
     "account_for_embedding_in_pipeline_split",
     "account_for_loss_in_pipeline_split",
+    "pipeline_layout",
 )
 
 
@@ -79,6 +80,7 @@ def layout(cfg: RunConfig) -> Dict[str, Any]:
             "num_layers_in_last_pipeline_stage": p.num_layers_in_last_pipeline_stage,
             "account_for_embedding_in_pipeline_split": p.account_for_embedding_in_pipeline_split,
             "account_for_loss_in_pipeline_split": p.account_for_loss_in_pipeline_split,
+            "pipeline_layout": p.pipeline_layout,
             "make_vocab_size_divisible_by": cfg.model.make_vocab_size_divisible_by,
             "padded_vocab_size": derived.padded_vocab_size(cfg.model, p.tp),
         }

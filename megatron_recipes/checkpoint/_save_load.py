@@ -100,6 +100,7 @@ def _runtime_layout(cfg: Optional[RunConfig]) -> Dict[str, Any]:
             "num_layers_in_last_pipeline_stage": cfg.parallel.num_layers_in_last_pipeline_stage,
             "account_for_embedding_in_pipeline_split": cfg.parallel.account_for_embedding_in_pipeline_split,
             "account_for_loss_in_pipeline_split": cfg.parallel.account_for_loss_in_pipeline_split,
+            "pipeline_layout": cfg.parallel.pipeline_layout,
         }
     return {
         **uneven,

@@ -7,6 +7,7 @@ so a layout means the same thing everywhere.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from megatron_recipes.config.schema import ModelConfig, RunConfig
 
@@ -97,10 +98,15 @@ def pipeline_stage_layers(cfg: RunConfig) -> list[list[range]]:
     remaining layers split evenly over the other ranks. With ``account_for_embedding/loss_in_pipeline_split``
     the embedding and the loss each take one layer's slot: the first chunk of rank 0 and the last chunk
     of the last rank build one layer fewer (megatron-core's ``get_num_layers_to_build``). Counts that
-    do not divide are floored; the validation rules report such layouts.
+    do not divide are floored; the validation rules report such layouts. ``parallel.pipeline_layout``, when
+    set, says it stage by stage.
     """
     p, layers = cfg.parallel, cfg.model.num_layers
     pp, vpp = max(1, p.pp), virtual_pipeline_size(cfg)
+    if p.pipeline_layout:  # the layout names every stage's layers (validated by rule pp.pipeline_layout)
+        from megatron_recipes.config import pipeline_layout
+
+        return pipeline_layout.decoder_ranges(p.pipeline_layout, pp)
     first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
     if pp == 1:
         first = last = None
@@ -129,6 +135,34 @@ def pipeline_stage_layers(cfg: RunConfig) -> list[list[range]]:
             stages[rank][v] = range(offset, offset + n)
             offset += n
     return stages
+
+
+def mtp_pipeline_rank(cfg: RunConfig) -> Optional[int]:
+    """The pipeline rank holding the MTP layers: the last one, unless ``parallel.pipeline_layout`` puts them
+    elsewhere (None without MTP)."""
+    if not cfg.model.mtp_num_layers:
+        return None
+    pp = max(1, cfg.parallel.pp)
+    if cfg.parallel.pipeline_layout:
+        from megatron_recipes.config import pipeline_layout
+
+        return pipeline_layout.mtp_rank(cfg.parallel.pipeline_layout, pp)
+    return pp - 1
+
+
+def mtp_stage(cfg: RunConfig) -> Optional[tuple]:
+    """(pipeline rank, virtual stage) of the chunk holding the MTP layers: the last chunk of the last rank,
+    unless ``parallel.pipeline_layout`` puts them elsewhere (None without MTP). That chunk needs the input ids
+    and the labels: the MTP block embeds the shifted tokens and computes its own loss."""
+    if not cfg.model.mtp_num_layers:
+        return None
+    pp, vpp = max(1, cfg.parallel.pp), virtual_pipeline_size(cfg)
+    if cfg.parallel.pipeline_layout:
+        from megatron_recipes.config import pipeline_layout
+
+        index = next(i for i, stage in enumerate(pipeline_layout.stages(cfg.parallel.pipeline_layout)) if "m" in stage)
+        return index % pp, index // pp
+    return pp - 1, vpp - 1
 
 
 def layers_on_pipeline_rank(cfg: RunConfig, pp_rank: int) -> list[int]:

@@ -123,6 +123,9 @@ class ParallelConfig:
     # account_for_*_in_pipeline_split): 126 layers + 2 = 128 = pp8 x vpp8 x 2 for Llama 3.1 405B
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    # megatron-core's pipeline_model_parallel_layout: which stage holds the embedding, each decoder layer, the
+    # MTP layers and the loss, e.g. "Et|(tt|)*30mL" (config/pipeline_layout.py); replaces the split fields above
+    pipeline_layout: Optional[str] = None
     allow_inter_node_tp: bool = False  # TP groups leaving the NVLink domain are an error unless set
     allow_inter_node_ep: bool = False  # EP groups leaving the NVLink domain are an error unless set
     overlap_grad_reduce: bool = False

@@ -147,11 +147,13 @@ def stage_params(cfg: RunConfig, pp_rank: int, s: Shard | None = None) -> ParamC
     pp = max(1, cfg.parallel.pp)
     first, last = pp_rank == 0, pp_rank == pp - 1
     count = layers_params(m, derived.layers_on_pipeline_rank(cfg, pp_rank), s)
-    mtp_here = last and bool(m.mtp_num_layers)
+    mtp_here = pp_rank == derived.mtp_pipeline_rank(cfg)  # the MTP layers use the embedding too
     if first or mtp_here:
         count = count + ParamCount(embedding_params(m, s))
+    if mtp_here:
+        count = count + mtp_params(m, s)
     if last:
-        count = count + ParamCount(norm_params(m, m.hidden_size)) + mtp_params(m, s)
+        count = count + ParamCount(norm_params(m, m.hidden_size))
         if not (m.tie_embeddings and first):  # tied + one stage: the embedding is the output layer
             count = count + ParamCount(output_layer_params(m, s))
     return count

@@ -15,6 +15,7 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron_recipes.config.derived import mtp_stage
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import RunConfig, TrainConfig
 
@@ -69,7 +70,7 @@ def heldout_loss(cfg: RunConfig, model: torch.nn.Module, eval_iters: Optional[in
         valid, cfg.train.micro_batch_size, parallel_state.get_data_parallel_rank(),
         parallel_state.get_data_parallel_world_size(), 0, cfg.data.num_workers, vocab_size=cfg.model.vocab_size,
     )
-    forward_step = step.make_forward_step(device, capabilities.use_transformer_engine(), mtp=bool(cfg.model.mtp_num_layers))
+    forward_step = step.make_forward_step(device, capabilities.use_transformer_engine(), mtp=mtp_stage(cfg))
     loss, _ = step.evaluate_with_accuracy(cfg, [model], [batches], forward_step, device, iters)
     model.eval()  # the trainer's evaluation puts chunks back in training mode
     return {"val_loss": loss, "perplexity": math.exp(min(loss, 700.0)), "eval_iters": iters,

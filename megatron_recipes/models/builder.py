@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
 import torch
@@ -32,6 +33,10 @@ def layer_spec(
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te, normalization=cfg.model.normalization, vp_stage=vp_stage, pp_rank=pp_rank
     )
+    return _adapted(spec, config, use_te)
+
+
+def _adapted(spec, config, use_te: bool):
     if not use_te:
         _use_te_checkpoint_names(spec)
         from megatron_recipes.models.local_spec import adapt_local_spec
@@ -47,7 +52,6 @@ def _use_te_checkpoint_names(block_spec) -> None:
     MoE layers (TE keeps ``pre_mlp_layernorm``) and MLA (TE fuses the q/kv norms into the up-projections)
     its names differ, so a checkpoint written on the CPU lane would not load on a GPU, or vice versa.
     """
-    import dataclasses
 
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -77,9 +81,14 @@ def _use_te_checkpoint_names(block_spec) -> None:
 def _mtp_spec(cfg: RunConfig, config, block_spec, vp_stage: Optional[int], use_te: bool):
     if not cfg.model.mtp_num_layers:
         return None
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs, get_gpt_mtp_block_spec
 
-    spec = get_gpt_mtp_block_spec(config, block_spec.layer_specs[-1], use_transformer_engine=use_te, vp_stage=vp_stage)
+    layers = block_spec.layer_specs
+    if not layers:  # a chunk holding MTP but no decoder layer (a pipeline layout's "m" stage): as Megatron-LM does,
+        # the MTP layer is built like the model's last decoder layer
+        last = get_gpt_decoder_layer_specs(config, use_transformer_engine=use_te, normalization=cfg.model.normalization)[-1]
+        layers = _adapted(dataclasses.replace(block_spec, layer_specs=[last]), config, use_te).layer_specs
+    spec = get_gpt_mtp_block_spec(config, layers[-1], use_transformer_engine=use_te, vp_stage=vp_stage)
     if spec is not None and not use_te:  # the MTP block's own norms need the same SP-capable swap as the decoder's
         from megatron_recipes.models.local_spec import adapt_local_spec
 

@@ -52,6 +52,7 @@ def _parallel_fields(cfg: RunConfig, on_gpu: bool) -> Dict[str, Any]:
         "num_layers_in_last_pipeline_stage": p.num_layers_in_last_pipeline_stage,
         "account_for_embedding_in_pipeline_split": p.account_for_embedding_in_pipeline_split,
         "account_for_loss_in_pipeline_split": p.account_for_loss_in_pipeline_split,
+        "pipeline_model_parallel_layout": p.pipeline_layout,
         # Megatron-LM's defaults: unbatched p2p, overlapped under VPP. On gloo (CPU lane) both the batched
         # path and the overlapped one gave wrong PP=2 x VPP=2 losses without any error (messages to the
         # same peer matched out of order / send buffers released before the async send read them), so

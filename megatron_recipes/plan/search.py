@@ -51,6 +51,7 @@ class Candidate:
             f"parallel.num_layers_in_first_pipeline_stage={_null(p.num_layers_in_first_pipeline_stage)}",
             f"parallel.num_layers_in_last_pipeline_stage={_null(p.num_layers_in_last_pipeline_stage)}",
         ]
+        out.append("parallel.pipeline_layout=null")
         counted = str(p.account_for_embedding_in_pipeline_split).lower()
         out += [f"parallel.account_for_embedding_in_pipeline_split={counted}",
                 f"parallel.account_for_loss_in_pipeline_split={counted}"]
@@ -135,6 +136,7 @@ def _with(cfg, tp, pp, vpp, cp, ep, etp, split, mbs, recompute) -> RunConfig:
         cfg.parallel, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, sp=tp > 1,
         num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
         account_for_embedding_in_pipeline_split=counted, account_for_loss_in_pipeline_split=counted,
+        pipeline_layout=None,  # the search places layers by the split fields; a layout is written by hand
     )
     train = dataclasses.replace(cfg.train, micro_batch_size=mbs, recompute=recompute, recompute_num_layers=1, recompute_method="uniform")
     return dataclasses.replace(cfg, parallel=parallel, train=train)

@@ -78,6 +78,26 @@ def check_world_matches(cfg: RunConfig, world: int) -> None:
         )
 
 
+def embedding_ranks(cfg: RunConfig):
+    """The pipeline ranks whose word-embedding gradients megatron-core all-reduces, as Megatron-LM's
+    pretrain_gpt chooses them: the first stage, the last when it holds the tied output layer, and the stage
+    holding the MTP layers (which embeds with its own copy). megatron-core's default (first and last) made a
+    pipeline layout with MTP on another stage train silently wrong: with MTP set it reduces every member's
+    ``shared_embedding_or_output_weight``, which on an untied last stage is the output layer."""
+    mtp = derived.mtp_pipeline_rank(cfg)
+    tied = cfg.model.tie_embeddings
+
+    def choose(pp_ranks, *_):
+        ranks = {pp_ranks[0]}
+        if len(pp_ranks) > 1 and tied:
+            ranks.add(pp_ranks[-1])
+        if len(pp_ranks) > 1 and mtp is not None:
+            ranks.add(pp_ranks[mtp])
+        return sorted(ranks)
+
+    return choose
+
+
 def init_model_parallel(cfg: RunConfig, timeout_minutes: float = 10.0) -> Runtime:
     """Process group + megatron-core parallel_state for the recipe's layout, and seeded RNG trackers."""
     from megatron.core import parallel_state
@@ -99,6 +119,7 @@ def init_model_parallel(cfg: RunConfig, timeout_minutes: float = 10.0) -> Runtim
         # hybrid sharding: megatron-core builds the intra-/inter-instance DP groups the optimizer uses
         num_distributed_optimizer_instances=p.dist_optimizer_instances,
         order="tp-cp-ep-dp-pp",
+        get_embedding_ranks=embedding_ranks(cfg),
     )
     seed_everything(cfg.seed)
     return runtime

@@ -123,7 +123,7 @@ class Trainer:
         self.scheduler = optim.build_scheduler(self.cfg, self.optimizer)
         optim.configure_schedule_hooks(self.cfg, self.model, self.optimizer)  # grad_scale_func is the optimizer's
         self.forward_step = step.make_forward_step(
-            self.device, capabilities.use_transformer_engine(), mtp=bool(self.cfg.model.mtp_num_layers)
+            self.device, capabilities.use_transformer_engine(), mtp=derived.mtp_stage(self.cfg)
         )
 
     def resume(self) -> int:

@@ -71,6 +71,15 @@ def _chunk_stages(model: torch.nn.Module):
     return first, last
 
 
+def _chunk_position(model: torch.nn.Module) -> tuple:
+    """(pipeline rank, virtual stage) of a model chunk (virtual stage 0 without interleaving)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_attr_wrapped_model
+
+    vp_stage = get_attr_wrapped_model(model, "vp_stage", allow_none=True)
+    return parallel_state.get_pipeline_model_parallel_rank(), vp_stage or 0
+
+
 def _attention_inputs(batch: Dict[str, torch.Tensor], device: torch.device, use_te: bool, cp: tuple = (1, 0)) -> Dict[str, Any]:
     """Causal attention needs no mask; packed sequences need a block mask (local spec) or cu_seqlens (TE).
 
@@ -108,13 +117,14 @@ def cp_share(batch: Dict[str, torch.Tensor], cp_size: int, cp_rank: int) -> Dict
     return {k: split_for_cp(v, cp_size, cp_rank) if k in keys else v for k, v in batch.items()}
 
 
-def make_forward_step(device: torch.device, use_te: bool, mtp: bool = False):
+def make_forward_step(device: torch.device, use_te: bool, mtp: Optional[tuple] = None):
     """The ``forward_step_func`` the schedules call once per microbatch and model chunk.
 
     Every chunk reads its own iterator on every microbatch (so all iterators stay at the same sample),
     but only moves to the device what its stage uses: tokens on the first stage, labels on the last, and
-    with multi-token prediction (``mtp``) tokens on the last stage too: the MTP block there embeds the
-    shifted input ids itself, and masks its loss with ``loss_mask``. Under CP each rank keeps its share of the sequence (``cp_share``); the loss
+    with multi-token prediction tokens and labels on the chunk holding the MTP layers too (``mtp``: its
+    (pipeline rank, virtual stage), ``derived.mtp_stage``; the last chunk unless a pipeline layout says
+    otherwise): the MTP block embeds the shifted input ids itself, and masks its loss with ``loss_mask``. Under CP each rank keeps its share of the sequence (``cp_share``); the loss
     sums and token counts are then this rank's, and ``_reduce_losses`` / megatron-core's
     ``finalize_model_grads`` add them up over data x context ranks (``calculate_per_token_loss``).
     """
@@ -127,11 +137,12 @@ def make_forward_step(device: torch.device, use_te: bool, mtp: bool = False):
         if cp[0] > 1:
             batch = cp_share(batch, *cp)
         first, last = _chunk_stages(model)
-        needs_ids = first or (last and mtp)
+        mtp_here = mtp is not None and _chunk_position(model) == tuple(mtp)
+        needs_ids = first or mtp_here
         tokens = batch["tokens"].to(device, non_blocking=True) if needs_ids else None
         position_ids = batch["position_ids"].to(device, non_blocking=True) if needs_ids else None
-        labels = batch["labels"].to(device, non_blocking=True) if last else None
-        loss_mask = batch["loss_mask"].to(device, non_blocking=True) if last else None
+        labels = batch["labels"].to(device, non_blocking=True) if last or mtp_here else None
+        loss_mask = batch["loss_mask"].to(device, non_blocking=True) if last or mtp_here else None
         # loss_mask as Megatron-LM's pretrain_gpt passes it: GPTModel's MTP head masks its own loss with it
         # (without it, every position: prompts, padding and the seams of packed samples)
         output = model(tokens, position_ids, labels=labels, loss_mask=loss_mask,

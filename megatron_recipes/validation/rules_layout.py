@@ -202,7 +202,36 @@ def _sp_seq(cfg: RunConfig) -> Optional[str]:
     model_layout=True,
 )
 def _pp_layer_split(cfg: RunConfig) -> Optional[str]:
+    if cfg.parallel.pipeline_layout:  # the layout places every layer itself (rule pp.pipeline_layout)
+        return None
     return pipeline_split_problem(cfg) if degrees_ok(cfg) else None
+
+
+@rule(
+    "pp.pipeline_layout",
+    ["parallel.pipeline_layout", "parallel.pp", "parallel.vpp", "model.num_layers", "model.mtp_num_layers",
+     "parallel.num_layers_in_first_pipeline_stage", "parallel.num_layers_in_last_pipeline_stage",
+     "parallel.account_for_embedding_in_pipeline_split", "parallel.account_for_loss_in_pipeline_split"],
+    "parallel.pipeline_layout places every stage as megatron-core requires: pp x vpp stages, none empty, the embedding "
+    "first, the loss last, model.num_layers decoder layers and model.mtp_num_layers MTP layers after them; it "
+    "replaces the other split settings",
+    "write one stage per PP rank and virtual stage, e.g. parallel.pipeline_layout='Et|tt|tt|tL' for 6 layers on pp=4",
+    model_layout=True,
+)
+def _pp_pipeline_layout(cfg: RunConfig) -> Optional[str]:
+    from megatron_recipes.config import pipeline_layout
+
+    p = cfg.parallel
+    if not p.pipeline_layout or not degrees_ok(cfg):
+        return None
+    others = [name for name, on in (("num_layers_in_first_pipeline_stage", p.num_layers_in_first_pipeline_stage is not None),
+                                    ("num_layers_in_last_pipeline_stage", p.num_layers_in_last_pipeline_stage is not None),
+                                    ("account_for_embedding_in_pipeline_split", p.account_for_embedding_in_pipeline_split),
+                                    ("account_for_loss_in_pipeline_split", p.account_for_loss_in_pipeline_split)) if on]
+    found = [f"it cannot be combined with parallel.{', parallel.'.join(others)} (megatron-core takes one way of "
+             "splitting)"] if others else []
+    found += pipeline_layout.problems(p.pipeline_layout, p.pp, p.vpp, cfg.model.num_layers, cfg.model.mtp_num_layers)
+    return f"parallel.pipeline_layout={p.pipeline_layout!r}: " + "; ".join(found) if found else None
 
 
 @rule(
@@ -285,6 +314,7 @@ LAYOUT_RULES = [
     _sp_needs_tp,
     _sp_seq,
     _pp_layer_split,
+    _pp_pipeline_layout,
     _vpp_value,
     _interleaved_mb,
     _pipeline_fill,

@@ -78,6 +78,12 @@ def check(recipe: str, precision: str):
     decided = fusions.decide(cfg, Kernels(cuda=True, transformer_engine=True, te_version=(2, 9)))
     config = build_transformer_config(cfg, use_te=True, cpu_init=False, fusions=decided)
     vp = 0 if cfg.parallel.vpp else None
+    # a pipeline layout is read for the rank parallel_state names (megatron-core ignores pp_rank then): rank 0
+    from megatron.core import parallel_state
+
+    parallel_state.set_pipeline_model_parallel_world_size(cfg.parallel.pp)
+    parallel_state.set_pipeline_model_parallel_rank(0)
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(cfg.parallel.vpp)
     te_spec = builder.layer_spec(cfg, config, vp_stage=vp, pp_rank=0, use_te=True)
     local_spec = builder.layer_spec(cfg, config, vp_stage=vp, pp_rank=0, use_te=False)
     assert len(te_spec.layer_specs) == len(local_spec.layer_specs) > 0

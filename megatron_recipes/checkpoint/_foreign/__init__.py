@@ -165,7 +165,7 @@ def run_config(ckpt_dir: Path):
         num_layers_in_first_pipeline_stage=lay["num_layers_in_first_pipeline_stage"],
         num_layers_in_last_pipeline_stage=lay["num_layers_in_last_pipeline_stage"],
         account_for_embedding_in_pipeline_split=lay["account_for_embedding_in_pipeline_split"],
-        account_for_loss_in_pipeline_split=lay["account_for_loss_in_pipeline_split"])
+        account_for_loss_in_pipeline_split=lay["account_for_loss_in_pipeline_split"], pipeline_layout=lay["pipeline_layout"])
     dtype = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
     precision = dataclasses.replace(base.precision, name=dtype, params_dtype=dtype)
     train = dataclasses.replace(base.train, **{k: int(getattr(args, a)) for k, a in (
@@ -191,13 +191,7 @@ def resume_parts(ckpt_dir: Path, loaded: Dict[str, Any]) -> Tuple[Optional[Dict[
 
 def refuse_resume(ckpt_dir: Path) -> None:
     """What a resume of a foreign checkpoint cannot continue, named before any tensor is read."""
-    d = describe(ckpt_dir)
-    if d.layout.get("pipeline_layout"):
-        raise RecipeError(
-            f"'{ckpt_dir}' was saved with --pipeline-model-parallel-layout {d.layout['pipeline_layout']!r}, which this "
-            "project's recipes cannot express yet, so its optimizer state cannot be resumed",
-            fix=f"start from its weights with checkpoint.pretrained={ckpt_dir} checkpoint.load=none")
-    mlm.scheduler_in_steps({}, d.args, str(ckpt_dir))  # refuses a ramped batch size
+    mlm.scheduler_in_steps({}, describe(ckpt_dir).args, str(ckpt_dir))  # refuses a ramped batch size
 
 
 def summary(ckpt_dir: Path, meta: Dict[str, Any]) -> str:

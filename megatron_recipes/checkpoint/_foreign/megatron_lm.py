@@ -156,10 +156,16 @@ def layout(args: Any) -> Dict[str, Any]:
         "num_layers_in_last_pipeline_stage": _arg(args, "decoder_last_pipeline_num_layers"),
         "account_for_embedding_in_pipeline_split": bool(_arg(args, "account_for_embedding_in_pipeline_split", False)),
         "account_for_loss_in_pipeline_split": bool(_arg(args, "account_for_loss_in_pipeline_split", False)),
-        "pipeline_layout": _arg(args, "pipeline_model_parallel_layout"),
+        "pipeline_layout": _layout_string(_arg(args, "pipeline_model_parallel_layout")),
         "make_vocab_size_divisible_by": int(_arg(args, "make_vocab_size_divisible_by", 128)),
         "padded_vocab_size": _arg(args, "padded_vocab_size"),
     }
+
+
+def _layout_string(value: Any) -> Optional[str]:
+    """Megatron-LM keeps the layout as given (a string) or parsed (its PipelineParallelLayerLayout's repr is
+    the string it was built from)."""
+    return None if value is None else str(value)
 
 
 def family_of(fields: Dict[str, Any]) -> str:
@@ -224,6 +230,7 @@ def args_for(cfg, consumed_samples: int, optimizer_format: Optional[str], has_op
         "decoder_last_pipeline_num_layers": p.num_layers_in_last_pipeline_stage,
         "account_for_embedding_in_pipeline_split": p.account_for_embedding_in_pipeline_split,
         "account_for_loss_in_pipeline_split": p.account_for_loss_in_pipeline_split,
+        "pipeline_model_parallel_layout": p.pipeline_layout,
         "padded_vocab_size": derived.padded_vocab_size(cfg.model, p.tp),
     }
     progress = {
