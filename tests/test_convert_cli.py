@@ -26,6 +26,15 @@ def test_import_verifies_small_models_and_verify_fails_on_other_weights(tmp_path
     assert "HF vs checkpoint at tp=2 pp=1" in printed and " ok" in printed  # verified at the target layout
     assert "peak RSS" in printed and f"checkpoint.pretrained={out.resolve()}" in printed
     assert (out / "model" / "hf.yaml").is_file()
+    import torch  # what Megatron-LM's load_checkpoint reads first: an HF import is where its fine-tuning starts
+
+    from megatron_recipes.checkpoint import restricted_loading
+
+    with restricted_loading():
+        common = torch.load(out / "iter_0000000" / "common.pt", map_location="cpu")
+    args = common["args"]
+    assert common["checkpoint_version"] == 3.0 and common["iteration"] == 0 and args.no_save_optim
+    assert (args.num_layers, args.tensor_model_parallel_size, args.qk_layernorm) == (4, 2, True)
 
     exported = tmp_path / "exported"
     assert main(["convert", "export", f"ckpt_dir={out}", f"hf_dir={exported}", "--no-verify", "--quiet"]) == 0

@@ -101,6 +101,19 @@ def fit_degrees(d: Degrees, max_ranks: int, moe: bool = True) -> tuple:
     return fitted, notes + halved
 
 
+def lane_merges_mtp(cfg: RunConfig, pp: int) -> bool:
+    """An MTP stage of its own under interleaving hangs the CPU lane: megatron-core's shape exchange before each
+    pipeline transfer (``mtp_standalone``) deadlocked at PP=4 x VPP=2 over gloo (found by ``check
+    deepseek_v3_pretrain``; PP=3 x VPP=2 and no interleaving ran). The check then proves the layout with the
+    MTP layer on the loss's stage, and says so."""
+    from megatron_recipes.config import pipeline_layout
+
+    p = cfg.parallel
+    if not p.pipeline_layout or not p.vpp or pp < 2:
+        return False
+    return pipeline_layout.standalone_mtp(pipeline_layout.shrink(p.pipeline_layout, p.pp, pp, None), pp)
+
+
 def _layers(cfg: RunConfig, pp: int, max_per_chunk: Optional[int]) -> Dict[str, object]:
     """Layer count for ``pp`` stages with the recipe's layers per stage/chunk (uneven first/last stages
     kept as they are); ``max_per_chunk`` caps the even part, so a 24-layer stage runs as 2 on CPU."""
@@ -109,7 +122,7 @@ def _layers(cfg: RunConfig, pp: int, max_per_chunk: Optional[int]) -> Dict[str, 
     if p.pipeline_layout and pp > 1:  # the same kinds of stages (embedding, MTP, loss placed as the layout does)
         from megatron_recipes.config import pipeline_layout
 
-        shrunk = pipeline_layout.shrink(p.pipeline_layout, p.pp, pp, max_per_chunk)
+        shrunk = pipeline_layout.shrink(p.pipeline_layout, p.pp, pp, max_per_chunk, merge_closing=lane_merges_mtp(cfg, pp))
         return {"model.num_layers": "".join(pipeline_layout.stages(shrunk)).count("t"), "parallel.pipeline_layout": shrunk}
     first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
     cap = (lambda n: min(n, max_per_chunk)) if max_per_chunk else (lambda n: n)  # noqa: E731
@@ -205,6 +218,10 @@ def shrink(cfg: RunConfig, max_ranks: int = 8, max_layers_per_chunk: Optional[in
     d, notes = fit_degrees(original, max_ranks, moe=bool(cfg.model.num_moe_experts))
     p = cfg.parallel
     common: Dict[str, object] = {**_model(cfg, d, max_layers_per_chunk), **_batch(cfg, d, own_data)}
+    if lane_merges_mtp(cfg, d.pp):
+        notes.append(f"pipeline layout -> {common['parallel.pipeline_layout']}: the MTP layer shares the loss's stage; "
+                     "an MTP stage of its own under interleaving deadlocks the CPU lane's gloo pipeline exchange "
+                     "(megatron-core's shape exchange, mtp_standalone): that placement is validated, not proven")
     if max_layers_per_chunk and cfg.model.hidden_size > TINY_HIDDEN:
         full = _layers(cfg, d.pp, None)["model.num_layers"]
         if full != common["model.num_layers"]:

@@ -108,7 +108,14 @@ def _capped(stage: str, cap: Optional[int]) -> str:
     return stage[: stage.index("t")] + "t" * keep + stage[stage.rindex("t") + 1:]
 
 
-def shrink(layout: str, pp: int, new_pp: int, cap: Optional[int]) -> str:
+def standalone_mtp(layout: str, pp: int) -> bool:
+    """The MTP layers on a rank before the last (megatron-core's ``mtp_standalone``: every pipeline exchange
+    then sends its tensor's shape first)."""
+    rank = mtp_rank(layout, pp)
+    return rank is not None and rank != pp - 1
+
+
+def shrink(layout: str, pp: int, new_pp: int, cap: Optional[int], merge_closing: bool = False) -> str:
     """The layout of a shrunk proof (``check``) on ``new_pp`` ranks with the same virtual stages per rank:
     the layout's first stage, its closing stages that hold no decoder layer (MTP alone, the loss alone) kept
     as stages of their own, and middle stages like its most common one holding at most ``cap`` decoder layers
@@ -130,7 +137,7 @@ def shrink(layout: str, pp: int, new_pp: int, cap: Optional[int]) -> str:
         fill = total - 1 - len(closing) - len(last)
         return [body[0]] + [_capped(typical, cap)] * max(0, fill) + last + closing
 
-    out = build(tail)
+    out = build(["".join(tail)] if merge_closing and tail else tail)
     new_layers = "".join(out).count("t")
     if len(out) != total or problems("|".join(out), new_pp, None if total == new_pp else total // new_pp, new_layers, mtp or None):
         merged = build(["".join(tail)]) if tail else out
