@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 import checkpoint_support as cs
-from multiproc import run_ranks
+from multiproc import free_port, run_ranks
 
 FIXTURE = Path(__file__).parent / "data" / "megatron_lm" / "tiny_llama"
 ITER = FIXTURE / "iter_0000004"
@@ -285,21 +286,19 @@ def _tensors(folder: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not __import__("os").environ.get(MLM_ENV), reason=f"{MLM_ENV} names no Megatron-LM checkout "
+@pytest.mark.skipif(not os.environ.get(MLM_ENV), reason=f"{MLM_ENV} names no Megatron-LM checkout "
                     "(a checkout whose megatron/training matches the installed megatron-core)")
 def test_megatron_lm_load_checkpoint_resumes_ours(tmp_path):
     """Megatron-LM resumes our step-3 checkpoint (weights, fully_reshardable optimizer state, LR schedule and
     consumed samples from our args), trains no step (train_iters=3) and saves it again: its save holds our
     tensors, bit for bit, and our progress."""
-    import os
-
     from megatron.core import dist_checkpointing
 
     from megatron_recipes import checkpoint as ck
 
     (root,) = run_ranks(_ours_at_step_3, 1, str(tmp_path))
     out = tmp_path / "mlm"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(__import__("multiproc").free_port()),
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
                str(Path(__file__).parent / "megatron_lm_shim.py"), *MLM_MODEL.split(), "--load", root, "--save", str(out),
                "--save-interval", "2", "--train-iters", "3", "--use-checkpoint-opt_param-scheduler", "--no-load-rng",
                "--dist-ckpt-optim-fully-reshardable", "--exit-on-missing-checkpoint"]

@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from pathlib import Path
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from megatron_recipes.checkpoint._foreign import megatron_bridge as bridge
 from megatron_recipes.checkpoint._foreign import megatron_lm as mlm
 from megatron_recipes.config.errors import RecipeError
-
-log = logging.getLogger(__name__)
 
 MEGATRON_LM = "megatron-lm"
 MEGATRON_BRIDGE = "megatron-bridge"
