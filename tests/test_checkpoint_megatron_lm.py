@@ -230,11 +230,17 @@ def test_resume_and_pretrained_from_megatron_lm_and_our_saves_carry_its_keys(tmp
     assert ours["scheduler"]["num_steps"] == 6 * cs.GBS == ours["own_scheduler"]["num_steps"] * cs.GBS
 
 
+def _fresh_env() -> dict:
+    """This process's environment without a rendezvous an earlier test left in it (a stale MASTER_PORT)."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 @pytest.mark.slow
 def test_export_of_the_megatron_lm_checkpoint_matches_its_logits(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "megatron_recipes.cli", "convert", "export", f"ckpt_dir={FIXTURE}",
-         f"hf_dir={tmp_path / 'hf'}", "--verify"], capture_output=True, text=True, timeout=600)
+         f"hf_dir={tmp_path / 'hf'}", "--verify"], capture_output=True, text=True, timeout=600, env=_fresh_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     row = next(line for line in done.stdout.splitlines() if line.startswith("HF vs checkpoint"))
     assert row.split()[-1] == "ok" and float(row.split()[-5]) < 1e-4, row
@@ -302,7 +308,7 @@ def test_megatron_lm_load_checkpoint_resumes_ours(tmp_path):
                str(Path(__file__).parent / "megatron_lm_shim.py"), *MLM_MODEL.split(), "--load", root, "--save", str(out),
                "--save-interval", "2", "--train-iters", "3", "--use-checkpoint-opt_param-scheduler", "--no-load-rng",
                "--dist-ckpt-optim-fully-reshardable", "--exit-on-missing-checkpoint"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=dict(os.environ))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=_fresh_env())
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-6000:]
     assert "successfully loaded checkpoint from" in log and "at iteration 3" in log, log[-3000:]
