@@ -31,8 +31,11 @@ def small_builtin(cache_dir: Path):
 
 @contextlib.contextmanager
 def one_rank_group():
-    """A one-process gloo group (megatron-core's blended builder calls torch.distributed.get_rank)."""
+    """A one-process gloo group (megatron-core's blended builder calls torch.distributed.get_rank). The
+    rendezvous it sets in the environment is taken back after: subprocesses started by later tests inherit
+    os.environ, and a stale MASTER_PORT made a convert export fail with EADDRINUSE."""
     created = False
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     if not dist.is_initialized():
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         with socket.socket() as s:
@@ -45,6 +48,11 @@ def one_rank_group():
     finally:
         if created:
             dist.destroy_process_group()
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 def write_jsonl(path: Path, records: Iterable[dict]) -> Path:
