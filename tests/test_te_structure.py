@@ -23,9 +23,14 @@ PRECISIONS = sorted(p.stem for p in (REPO / "recipes" / "precision").glob("*.yam
 HELPER = Path(__file__).parent / "helpers" / "te_structure.py"
 
 
+MOE_RECIPES = ("mixtral_8x7b_pretrain", "qwen3_30b_a3b_pretrain", "deepseek_v3_pretrain")
+FLEX = [f"{r}/bf16/parallel.moe_dispatcher=flex/parallel.moe_flex_backend={b}" for r in MOE_RECIPES
+        for b in ("deepep", "hybridep")]
+
+
 @pytest.fixture(scope="module")
 def results():
-    cases = [f"{r}/{p}" for r in RECIPES for p in PRECISIONS]
+    cases = [f"{r}/{p}" for r in RECIPES for p in PRECISIONS] + FLEX
     proc = subprocess.run([sys.executable, str(HELPER), *cases], capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -47,3 +52,15 @@ def test_te_config_and_spec_match_the_local_checkpoint_layout(results, recipe):
         assert {"gradient_accumulation_fusion", "bias_dropout_fusion"} <= set(r["fusions"])
         assert bool(r["fp8"]) == (precision.startswith("fp8") or precision == "mxfp8")
         assert r["fp4"] == ("e2m1" if precision == "nvfp4" else None)
+
+
+@pytest.mark.parametrize("case", FLEX, ids=[c.split("/")[0] + "-" + c.rsplit("=", 1)[1] for c in FLEX])
+def test_flex_dispatcher_config_and_spec_as_a_gpu_with_deep_ep_builds_them(results, case):
+    """The flex dispatcher (DeepEP / HybridEP) as a GPU run configures it, through megatron-core's own
+    TransformerConfig validation, with TE's grouped experts in the MoE layers; machine.flex_needs_deep_ep
+    (tests/test_rules.py) refuses it where deep_ep does not import."""
+    r = results[case]
+    assert not r.get("error"), r
+    assert r["dispatcher"] == "flex" and r["flex_backend"] == case.rsplit("=", 1)[1]
+    assert r["experts"] == "TEGroupedMLP", r
+

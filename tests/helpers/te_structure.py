@@ -15,9 +15,11 @@ Prints one JSON object: {"<recipe>/<precision>": {"error": str|None, "fusions": 
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).parent))
 import te_stub  # noqa: E402
@@ -33,14 +35,29 @@ FUSABLE = [
 ]
 
 
+def _submodules(node):
+    """A spec entry's submodules; 0.18 on, MoE layers are a functools.partial carrying them as a keyword."""
+    if isinstance(node, functools.partial):
+        return node.keywords.get("submodules")
+    return getattr(node, "submodules", None)
+
+
 def _module_at(spec, path: str):
     node = spec
     for part in path.split("."):
-        sub = getattr(node, "submodules", None)
+        sub = _submodules(node)
         if sub is None or not hasattr(sub, part):
             return None
         node = getattr(sub, part)
     return getattr(node, "module", node)
+
+
+def _name(module) -> Optional[str]:
+    """The class a spec entry builds, by name (0.18 on it may be a functools.partial of it)."""
+    from megatron_recipes.runtime.mcore_compat import built_class
+
+    built = built_class(module)
+    return built.__name__ if built is not None else None
 
 
 def _compare_layer(te_layer, local_layer, index: int):
@@ -68,13 +85,13 @@ def _compare_layer(te_layer, local_layer, index: int):
     return problems
 
 
-def check(recipe: str, precision: str):
+def check(recipe: str, precision: str, extra=()):
     from megatron_recipes.config.compose import compose_recipe
     from megatron_recipes.models import builder, fusions
     from megatron_recipes.models.fusions import Kernels
     from megatron_recipes.models.transformer_config import build_transformer_config
 
-    cfg = compose_recipe(recipe, [f"precision={precision}"])
+    cfg = compose_recipe(recipe, [f"precision={precision}", *extra])
     decided = fusions.decide(cfg, Kernels(cuda=True, transformer_engine=True, te_version=(2, 9)))
     config = build_transformer_config(cfg, use_te=True, cpu_init=False, fusions=decided)
     vp = 0 if cfg.parallel.vpp else None
@@ -93,7 +110,14 @@ def check(recipe: str, precision: str):
     linear = _module_at(te_spec.layer_specs[0], "self_attention.linear_qkv") or _module_at(
         te_spec.layer_specs[0], "self_attention.linear_q_proj"
     )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+
+    every_layer = get_gpt_decoder_layer_specs(config, use_transformer_engine=True, normalization=cfg.model.normalization)
+    moe = next((spec for spec in every_layer if _name(_module_at(spec, "mlp")) == "MoELayer"), None)  # any stage
     return {
+        "dispatcher": getattr(config, "moe_token_dispatcher_type", None),
+        "flex_backend": getattr(config, "moe_flex_dispatcher_backend", None),
+        "experts": _name(_module_at(moe, "mlp.experts")) if moe is not None else None,
         "error": "; ".join(problems) or None,
         "fusions": sorted(k for k, v in decided.items() if v),
         "spec": getattr(linear, "__name__", str(linear)),
@@ -107,9 +131,9 @@ def main(cases):
 
     out = {}
     for case in cases:
-        recipe, precision = case.split("/")
+        recipe, precision, *extra = case.split("/")  # recipe/precision[/override...]
         try:
-            out[case] = check(recipe, precision)
+            out[case] = check(recipe, precision, extra)
         except Exception as exc:  # reported per case; the test names each failure
             out[case] = {"error": f"{type(exc).__name__}: {exc}"}
     print("RESULT " + json.dumps(out))
