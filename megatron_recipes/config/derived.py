@@ -50,8 +50,13 @@ def num_microbatches(cfg: RunConfig) -> int:
 
 def padded_vocab_size(model: ModelConfig, tp: int) -> int:
     """Megatron pads the embedding rows to a multiple of make_vocab_size_divisible_by * TP."""
-    multiple = max(1, model.make_vocab_size_divisible_by) * max(1, tp)
-    return int(math.ceil(model.vocab_size / multiple) * multiple)
+    return padded_rows(model.vocab_size, model.make_vocab_size_divisible_by, tp)
+
+
+def padded_rows(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """``padded_vocab_size`` from the three numbers (a checkpoint described by another tool's config)."""
+    multiple = max(1, divisible_by) * max(1, tp)
+    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 def head_dim(model: ModelConfig) -> int:
@@ -137,19 +142,6 @@ def pipeline_stage_layers(cfg: RunConfig) -> list[list[range]]:
     return stages
 
 
-def mtp_pipeline_rank(cfg: RunConfig) -> Optional[int]:
-    """The pipeline rank holding the MTP layers: the last one, unless ``parallel.pipeline_layout`` puts them
-    elsewhere (None without MTP)."""
-    if not cfg.model.mtp_num_layers:
-        return None
-    pp = max(1, cfg.parallel.pp)
-    if cfg.parallel.pipeline_layout:
-        from megatron_recipes.config import pipeline_layout
-
-        return pipeline_layout.mtp_rank(cfg.parallel.pipeline_layout, pp)
-    return pp - 1
-
-
 def mtp_stage(cfg: RunConfig) -> Optional[tuple]:
     """(pipeline rank, virtual stage) of the chunk holding the MTP layers: the last chunk of the last rank,
     unless ``parallel.pipeline_layout`` puts them elsewhere (None without MTP). That chunk needs the input ids
@@ -160,9 +152,14 @@ def mtp_stage(cfg: RunConfig) -> Optional[tuple]:
     if cfg.parallel.pipeline_layout:
         from megatron_recipes.config import pipeline_layout
 
-        index = next(i for i, stage in enumerate(pipeline_layout.stages(cfg.parallel.pipeline_layout)) if "m" in stage)
-        return index % pp, index // pp
+        return pipeline_layout.mtp_stage(cfg.parallel.pipeline_layout, pp)
     return pp - 1, vpp - 1
+
+
+def mtp_pipeline_rank(cfg: RunConfig) -> Optional[int]:
+    """The pipeline rank holding the MTP layers (None without MTP)."""
+    where = mtp_stage(cfg)
+    return None if where is None else where[0]
 
 
 def layers_on_pipeline_rank(cfg: RunConfig, pp_rank: int) -> list[int]:

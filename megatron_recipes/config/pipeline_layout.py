@@ -14,7 +14,7 @@ its users found deadlocks or drops layers without an error (Megatron-LM #1852: e
 from __future__ import annotations
 
 import re
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 KINDS = {"E": "embedding", "t": "decoder layer", "m": "MTP layer", "L": "loss"}
 _GROUP = re.compile(r"\(([^)]+)\)\*(\d+)")
@@ -50,12 +50,16 @@ def decoder_ranges(layout: str, pp: int) -> List[List[range]]:
     return out
 
 
+def mtp_stage(layout: str, pp: int) -> Optional[Tuple[int, int]]:
+    """(pipeline rank, virtual stage) of the stage holding the MTP layers (None without them)."""
+    index = next((i for i, stage in enumerate(stages(layout)) if "m" in stage), None)
+    return None if index is None else (index % pp, index // pp)
+
+
 def mtp_rank(layout: str, pp: int) -> Optional[int]:
     """The pipeline rank that holds the MTP layers (None without them)."""
-    for rank, chunks in enumerate(grid(layout, pp)):
-        if any("m" in chunk for chunk in chunks):
-            return rank
-    return None
+    where = mtp_stage(layout, pp)
+    return None if where is None else where[0]
 
 
 def problems(layout: str, pp: int, vpp: Optional[int], num_layers: int, mtp_layers: Optional[int]) -> List[str]:

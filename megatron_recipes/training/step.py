@@ -62,22 +62,15 @@ def answer_counts(loss_mask: torch.Tensor, per_token_loss: torch.Tensor) -> torc
 
 
 def _chunk_stages(model: torch.nn.Module):
+    """(first stage, last stage, (pipeline rank, virtual stage)) of a model chunk (virtual stage 0 without
+    interleaving)."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_attr_wrapped_model
 
     vp_stage = get_attr_wrapped_model(model, "vp_stage", allow_none=True)
     first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    return first, last
-
-
-def _chunk_position(model: torch.nn.Module) -> tuple:
-    """(pipeline rank, virtual stage) of a model chunk (virtual stage 0 without interleaving)."""
-    from megatron.core import parallel_state
-    from megatron.core.utils import get_attr_wrapped_model
-
-    vp_stage = get_attr_wrapped_model(model, "vp_stage", allow_none=True)
-    return parallel_state.get_pipeline_model_parallel_rank(), vp_stage or 0
+    return first, last, (parallel_state.get_pipeline_model_parallel_rank(), vp_stage or 0)
 
 
 def _attention_inputs(batch: Dict[str, torch.Tensor], device: torch.device, use_te: bool, cp: tuple = (1, 0)) -> Dict[str, Any]:
@@ -136,8 +129,8 @@ def make_forward_step(device: torch.device, use_te: bool, mtp: Optional[tuple] =
         batch = next(data_iterator)
         if cp[0] > 1:
             batch = cp_share(batch, *cp)
-        first, last = _chunk_stages(model)
-        mtp_here = mtp is not None and _chunk_position(model) == tuple(mtp)
+        first, last, position = _chunk_stages(model)
+        mtp_here = mtp is not None and position == tuple(mtp)
         needs_ids = first or mtp_here
         tokens = batch["tokens"].to(device, non_blocking=True) if needs_ids else None
         position_ids = batch["position_ids"].to(device, non_blocking=True) if needs_ids else None

@@ -199,6 +199,4 @@ def summary(ckpt_dir: Path, meta: Dict[str, Any]) -> str:
             f"(family {meta.get('family_inferred')} inferred{vocab}); its RNG streams are not taken")
 
 
-def common_keys(*args, **kwargs) -> Dict[str, Any]:
-    """What Megatron-LM's ``load_checkpoint`` needs in our common state (``megatron_lm.common_keys``)."""
-    return mlm.common_keys(*args, **kwargs)
+common_keys = mlm.common_keys  # what Megatron-LM's load_checkpoint needs in our common state

@@ -52,8 +52,6 @@ def _activation(model: Dict[str, Any]) -> Dict[str, bool]:
 def as_args(run_config: Dict[str, Any], where: str) -> argparse.Namespace:
     """``run_config.yaml`` in Megatron-LM's ``args`` terms (only what the mapping reads)."""
     from megatron_recipes.config import derived
-    from megatron_recipes.config.schema import ModelConfig
-
     model, train = run_config["model"], run_config.get("train") or {}
     optimizer = run_config.get("optimizer") or {}
     values = {_RENAMED.get(k, k): v for k, v in model.items() if not isinstance(v, dict) or k == "window_size"}
@@ -66,12 +64,9 @@ def as_args(run_config: Dict[str, Any], where: str) -> argparse.Namespace:
     for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size"):
         if model.get(key) is None:
             raise RecipeError(f"'{where}/{RUN_CONFIG}' has no model.{key}", fix="point at a complete Megatron-Bridge checkpoint")
-    padding = ModelConfig(name="bridge", family="llama", num_layers=1, hidden_size=1, num_attention_heads=1,
-                          num_query_groups=1, ffn_hidden_size=1, vocab_size=int(model["vocab_size"]),
-                          max_position_embeddings=1, make_vocab_size_divisible_by=int(model.get("make_vocab_size_divisible_by") or 128))
-    tp = int(model.get("tensor_model_parallel_size") or 1)
-    values["padded_vocab_size"] = (derived.padded_vocab_size(padding, tp) if model.get("should_pad_vocab", True)
-                                   else int(model["vocab_size"]))
+    vocab, tp = int(model["vocab_size"]), int(model.get("tensor_model_parallel_size") or 1)
+    values["padded_vocab_size"] = (derived.padded_rows(vocab, int(model.get("make_vocab_size_divisible_by") or 128), tp)
+                                   if model.get("should_pad_vocab", True) else vocab)
     values["global_batch_size"] = train.get("global_batch_size")
     values["rampup_batch_size"] = train.get("rampup_batch_size")
     values["use_distributed_optimizer"] = bool(optimizer.get("use_distributed_optimizer", False))
