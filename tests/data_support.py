@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import socket
 from pathlib import Path
 from typing import Iterable, List
 
@@ -31,28 +29,17 @@ def small_builtin(cache_dir: Path):
 
 @contextlib.contextmanager
 def one_rank_group():
-    """A one-process gloo group (megatron-core's blended builder calls torch.distributed.get_rank). The
-    rendezvous it sets in the environment is taken back after: subprocesses started by later tests inherit
-    os.environ, and a stale MASTER_PORT made a convert export fail with EADDRINUSE."""
+    """A one-process gloo group (megatron-core's blended builder calls torch.distributed.get_rank), on an
+    in-memory store: no port, nothing written into the environment that later subprocesses inherit."""
     created = False
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     if not dist.is_initialized():
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         created = True
     try:
         yield
     finally:
         if created:
             dist.destroy_process_group()
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
 
 
 def write_jsonl(path: Path, records: Iterable[dict]) -> Path:

@@ -101,6 +101,34 @@ def test_backward_and_recompute_run_with_cpu_devices():
     assert out == {entry: [2.0, 2.0, 2.0] for entry in ("tensor.backward", "autograd.backward", "autograd.grad")}, out
 
 
+def _one_rank_group(stale_port: bool):
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    from megatron_recipes.runtime.distributed import init_process_group
+
+    listener = socket.socket()  # a port this process listens on, as a leaked one-rank store does
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    if stale_port:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(listener.getsockname()[1]))
+    before = os.environ.get("MASTER_PORT")
+    rt = init_process_group(timeout_minutes=1)
+    return rt.world_size, dist.get_world_size(), before == os.environ.get("MASTER_PORT")
+
+
+@pytest.mark.parametrize("stale_port", [False, True], ids=["clean-env", "port-in-use-in-env"])
+def test_a_one_rank_group_neither_reads_nor_leaves_a_rendezvous_port(stale_port):
+    """Conversion, data tools and tests open one-rank groups in their own process. That group used to take
+    MASTER_PORT from the environment (a port left by a shell or a parent: EADDRINUSE) and to write its own
+    there (inherited by every subprocess started after, while this process still listened on it)."""
+    assert run_ranks(_one_rank_group, 1, stale_port)[0] == (1, 1, True)
+
+
 def _all_to_all_with_tensor_splits():
     import torch
     import torch.distributed as dist

@@ -9,8 +9,6 @@ shared filesystem (or on every node's local path) means every rank of the job ge
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 from typing import Iterator, List
 
 from megatron_recipes.config.schema import RunConfig
@@ -24,21 +22,11 @@ def single_process_group() -> Iterator[None]:
     if dist.is_initialized():
         yield
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # no port, no environment
     try:
         yield
     finally:
         dist.destroy_process_group()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _files(folder) -> set:

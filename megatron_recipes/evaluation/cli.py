@@ -221,10 +221,6 @@ def main(argv: List[str]) -> int:
     if not under_launcher() and world > 1:
         sys.stdout.flush()
         return spawn_local(argv, world, target=("--module", "megatron_recipes.evaluation"))
-    if not under_launcher():  # the only rank: a port of its own
-        from megatron_recipes.runtime.distributed import free_port
-
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     results = evaluate_here(plan)
     if results is not None:
         show(plan, results)

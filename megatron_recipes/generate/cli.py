@@ -149,10 +149,7 @@ def main(argv: List[str]) -> int:
     world = layouts.min_world_size(job.parallel)
     if under_launcher():
         return run_here(job, maker, encoded, opts, flags)
-    if world == 1:  # this process is the only rank: a port of its own, whatever a shell left in MASTER_PORT
-        from megatron_recipes.runtime.distributed import free_port
-
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if world == 1:  # this process is the only rank (its one-rank group takes a port of its own)
         return run_here(job, maker, encoded, opts, flags)
     sys.stdout.flush()
     return spawn_local(argv, world, target=("--module", "megatron_recipes.generate"))

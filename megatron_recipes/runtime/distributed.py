@@ -58,11 +58,13 @@ def init_process_group(timeout_minutes: float = 10.0) -> Runtime:
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     backend = "nccl" if use_cuda else "gloo"
     if not dist.is_initialized():
-        if world == 1:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        # A one-rank group meets nobody: an in-memory store, no port, the environment left alone. Writing
+        # MASTER_PORT into os.environ (as it did) handed a port this process still listened on to every
+        # subprocess started after, whose own one-rank group then failed with EADDRINUSE; reading a
+        # MASTER_PORT a shell or a parent left behind failed the same way.
+        store = dist.HashStore() if world == 1 else None
         dist.init_process_group(
-            backend=backend, rank=rank, world_size=world, timeout=timedelta(minutes=timeout_minutes)
+            backend=backend, store=store, rank=rank, world_size=world, timeout=timedelta(minutes=timeout_minutes)
         )
     return Runtime(rank, world, local_rank, device, backend, cpu_lane=not use_cuda)
 

@@ -96,10 +96,6 @@ def main(argv: List[str]) -> int:
         _listen(opts.host, opts.port).close()  # a taken port is refused before the ranks start
         sys.stdout.flush()
         return spawn_local(argv, world, target=("--module", "megatron_recipes.serve"))
-    if not under_launcher():
-        from megatron_recipes.runtime.distributed import free_port
-
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
     @lru_cache(maxsize=None)
     def makers(kind: str, stops: tuple):
