@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import multiproc  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 
 def rank_imports() -> float:
@@ -32,7 +33,7 @@ def rank_imports() -> float:
 
 
 def measure(kind: str, launches: int, world: int) -> tuple:
-    multiproc._context = (lambda: multiproc.mp.get_context("spawn")) if kind == "spawn" else _forkserver
+    multiproc._context = (lambda: mp.get_context("spawn")) if kind == "spawn" else _forkserver
     walls, cpus = [], []
     for _ in range(launches):
         start = time.perf_counter()

@@ -7,19 +7,37 @@ Why: CI time on a 2-core machine. Two things are computed once per session inste
 - ``shared_runs``: results that are fully determined by their inputs (a step-0 checkpoint and the
   single-rank reference losses of one recipe + overrides), keyed by those inputs. Two modules asking for
   the same key get the same result, computed by whichever asks first.
+
+Under pytest-xdist (CI runs ``-n``) "the session" is every worker of one run: both live in a folder the
+workers share (the parent of each worker's base temp), the data cache under the library's own build lock
+and each shared result under a file lock of its own, so a result is computed once per run, not per worker.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import os
+import pickle
 from pathlib import Path
 from typing import Any, Callable, Dict, Hashable
 
 import pytest
 
 
+def _run_root(factory: pytest.TempPathFactory) -> Path:
+    """The folder every process of this run shares: the base temp, or its parent under xdist's workers."""
+    base = factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("data-cache")
+    folder = _run_root(tmp_path_factory) / "data-cache"
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -29,22 +47,84 @@ def cache(data_cache) -> Path:
 
 
 class SharedRuns:
-    """A memo of deterministic results, keyed by everything that determines them."""
+    """A memo of deterministic results, keyed by everything that determines them, shared by the run's workers.
+
+    A result is pickled beside a lock of its own: the first process to ask computes it while the others
+    wait on the lock, then read it. A failed ``make`` stores nothing: the next test that needs it retries.
+    """
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory):
-        self._factory = tmp_path_factory
+        self._root = _run_root(tmp_path_factory) / "runs"
+        self._root.mkdir(exist_ok=True)
         self._done: Dict[Hashable, Any] = {}
 
     def folder(self, name: str) -> Path:
-        """A new folder for one shared result (numbered: two results never share one)."""
-        return self._factory.mktemp(name)
+        """A new folder for one shared result (numbered: two results never share one, across workers too)."""
+        import tempfile
+
+        return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self._root))
 
     def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
-        if key not in self._done:  # a failed ``make`` stores nothing: the next test that needs it retries
-            self._done[key] = make()
-        return self._done[key]
+        if key in self._done:
+            return self._done[key]
+        name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+        stored = self._root / f"{name}.pkl"
+        with open(self._root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes, also if ``make`` raises
+            if stored.exists():
+                value = pickle.loads(stored.read_bytes())
+            else:
+                value = make()
+                partial = stored.with_suffix(".partial")
+                partial.write_bytes(pickle.dumps(value))
+                partial.replace(stored)
+        self._done[key] = value
+        return value
 
 
 @pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory) -> SharedRuns:
     return SharedRuns(tmp_path_factory)
+
+
+RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+@pytest.fixture(autouse=True)
+def _rendezvous_stays_in_its_test():
+    """Each test ends with the launcher variables it started with. A test that opens a process group in this
+    process (a one-rank group, a command's ``main()``) leaves MASTER_PORT in ``os.environ`` while its store
+    still listens there: a later test's subprocess inherited it and failed with EADDRINUSE (which test ran
+    before which depends on the run's order and its workers)."""
+    saved = {name: os.environ.get(name) for name in RENDEZVOUS}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def pytest_configure(config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # the workers share the machine's cores: a reference forward in one worker must not take both
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Files with the longest kinds of tests first (the Slurm cluster, then multi-process ones), each
+    file's tests in their own order: under ``-n --dist loadfile`` a long file picked up last would leave
+    the other workers idle at the end of the run."""
+
+    def weight(item) -> int:
+        marks = {m.name for m in item.iter_markers()}
+        return 0 if "slurm" in marks else 1 if "slow" in marks else 2
+
+    heaviest: Dict[str, int] = {}
+    for item in items:
+        path = str(item.path)
+        heaviest[path] = min(heaviest.get(path, 2), weight(item))
+    order = {path: i for i, path in enumerate(dict.fromkeys(str(item.path) for item in items))}
+    items.sort(key=lambda item: (heaviest[str(item.path)], order[str(item.path)]))

@@ -6,10 +6,12 @@ CI. Each rank is a fresh process with the test process's environment as it is at
 and RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT), one intra-op thread (CI machines have few
 cores), and its process group torn down at exit.
 
-Ranks are forked from one ``forkserver`` per test session that has already imported torch, megatron-core
-and the training stack (``rank_preload``, after ``patches.apply("process")`` as the entry points do):
-a fresh interpreter per rank paid those imports (~5 s of CPU) ~200 times per suite. Nothing else is
-shared: each rank is still its own process, started from the same clean, just-imported state.
+Ranks are forked from the one server per test process that ``check`` forks its ranks from
+(``megatron_recipes.check.ranks``, preloading ``check/preload.py``: ``patches.apply("process")`` then torch,
+megatron-core and the training stack, as the entry points do): a fresh interpreter per rank paid those
+imports (~5 s of CPU) ~200 times per suite. The trainer runs of ``train_support`` fork from the same
+server. Nothing else is shared: each rank is still its own process, started from the same clean,
+just-imported state (tests/test_multiproc.py looks for traces one rank could leave to the next).
 
     results = run_ranks(my_rank_fn, 2, arg1, arg2)   # [rank0_result, rank1_result]
 
@@ -31,7 +33,6 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-import torch.multiprocessing as mp
 
 from megatron_recipes.runtime.distributed import free_port
 
@@ -40,28 +41,15 @@ class RankFailed(AssertionError):
     """A rank raised, died, or did not finish in time."""
 
 
-_PRELOAD = ["rank_preload"]
-_FAULT_FILE = None  # this rank's faulthandler file (kept open for the process's life)  # tests/rank_preload.py (this folder is on sys.path, as for spawn)
+_FAULT_FILE = None  # this rank's faulthandler file (kept open for the process's life)
 
 
 def _context():
-    """The session's forkserver context (the server starts at the first rank and serves every later one)."""
-    from multiprocessing import forkserver
+    """The test process's forkserver context: check's server (it starts at the first rank and serves every
+    later one, the trainer runs' ranks included)."""
+    from megatron_recipes.check import ranks
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    # Python 3.11's server ignores the sys.path it is handed: it finds rank_preload through PYTHONPATH,
-    # set for its start only (the ranks get the caller's environment and sys.path, as under spawn).
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), *([saved] if saved else [])])
-    try:
-        forkserver.ensure_running()
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH")
-        else:
-            os.environ["PYTHONPATH"] = saved
-    return ctx
+    return ranks.context()
 
 
 def _reseed_numpy() -> None:

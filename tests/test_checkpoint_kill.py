@@ -80,10 +80,13 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, asynchronous):
     log = tmp_path / "child.log"
     staging = root / "iter_0000002.incomplete"
     with open(log, "w") as out:
-        child = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        # -X faulthandler: a child that dies natively says where (its log would otherwise just stop)
+        child = subprocess.Popen([sys.executable, "-X", "faulthandler", str(script)], stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
     try:
         saved_1 = _wait_for(lambda: "SAVED 1" in log.read_text() or child.poll() is not None, timeout=600, poll=0.2)
-        assert saved_1 and "SAVED 1" in log.read_text(), f"the child did not save step 1:\n{log.read_text()[-3000:]}"
+        assert saved_1 and "SAVED 1" in log.read_text(), (
+            f"the child did not save step 1 (exit code {child.poll()}):\n{log.read_text()[-3000:]}")
         writing = _wait_for(lambda: staging.is_dir() and any(staging.iterdir()), timeout=300)
         os.killpg(child.pid, signal.SIGKILL)  # the rank and its forked writer processes
     finally:

@@ -139,6 +139,30 @@ def test_user_recipe_file_reuses_shipped_groups(tmp_path):
     assert cfg.model.name == "mixtral_8x7b" and cfg.cluster.nodes == 4
 
 
+def test_a_kept_composition_follows_the_files_and_the_environment(tmp_path, monkeypatch):
+    """compose_recipe keeps what it composed: an edited recipe, an edited group option in a search path and an
+    environment variable the recipe reads each still change the result, and each caller gets its own copy."""
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("defaults:\n  - tiny_llama_cpu\n  - _self_\ntrain:\n  train_iters: 7\n")
+    first = compose_recipe(str(recipe))
+    first.train.train_iters = 99  # the caller's copy: not what the next caller gets
+    assert compose_recipe(str(recipe)).train.train_iters == 7
+    recipe.write_text("defaults:\n  - tiny_llama_cpu\n  - _self_\ntrain:\n  train_iters: 8\n")
+    assert compose_recipe(str(recipe)).train.train_iters == 8
+    (tmp_path / "model").mkdir()
+    option = tmp_path / "model" / "mini.yaml"
+    option.write_text("defaults:\n  - tiny_llama\n  - _self_\nname: mini\nnum_layers: 2\n")
+    searched = [f"hydra.searchpath=[file://{tmp_path}]", "model=mini"]
+    assert compose_recipe("tiny_llama_cpu", searched).model.num_layers == 2
+    option.write_text("defaults:\n  - tiny_llama\n  - _self_\nname: mini\nnum_layers: 3\n")
+    assert compose_recipe("tiny_llama_cpu", searched).model.num_layers == 3
+    recipe.write_text("defaults:\n  - tiny_llama_cpu\n  - _self_\ntrain:\n  train_iters: ${oc.env:MINE_ITERS}\n")
+    monkeypatch.setenv("MINE_ITERS", "5")
+    assert compose_recipe(str(recipe)).train.train_iters == 5
+    monkeypatch.setenv("MINE_ITERS", "6")
+    assert compose_recipe(str(recipe)).train.train_iters == 6
+
+
 def test_resolved_config_round_trips(tmp_path):
     cfg = compose_recipe("deepseek_v3_pretrain")
     path = tmp_path / "config.yaml"

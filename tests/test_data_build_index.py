@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as tmp_mp
 
 from data_support import small_builtin, small_cfg, stdlib_texts, write_jsonl
+from multiproc import run_ranks
 
 from megatron_recipes.cli import main as cli_main
 from megatron_recipes.data.preprocess import preprocess
@@ -30,7 +29,7 @@ def _overrides(tok_dir: str, prefix: str, cache_dir: Path):
             "data.split='90,8,2'", "train.train_iters=5"]
 
 
-def _rank(rank: int, port: int, tok_dir: str, prefix: str, caches, out) -> None:
+def _rank(tok_dir: str, prefix: str, caches):
     import os
     from datetime import timedelta
 
@@ -41,27 +40,22 @@ def _rank(rank: int, port: int, tok_dir: str, prefix: str, caches, out) -> None:
     from megatron_recipes.data.pretrain import build_pretrain_datasets
     from megatron_recipes.data.tokenizer import load_tokenizer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
     cfg = small_cfg(Path(caches[rank]), *_overrides(tok_dir, prefix, Path(caches[rank])))  # "node-local" cache
     try:
         train, _, _ = build_pretrain_datasets(cfg, load_tokenizer(cfg))
-        out[rank] = next(micro_batches(train, 2, rank, 2))["tokens"]
+        return next(micro_batches(train, 2, rank, 2))["tokens"]
     except RecipeError as exc:
-        out[rank] = exc.render()
+        return exc.render()
     except Exception as exc:  # rank 0 may see its peer leave during a barrier
-        out[rank] = f"{type(exc).__name__}"
+        return f"{type(exc).__name__}"
     finally:
         dist.destroy_process_group()  # lets the peer's pending barrier fail now, not at the timeout
 
 
 def _run_two_ranks(tok_dir, prefix, caches):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_mp.get_context("spawn").Manager().dict()
-    tmp_mp.start_processes(_rank, args=(port, tok_dir, prefix, caches, out), nprocs=2, start_method="spawn")
-    return dict(out)
+    return dict(enumerate(run_ranks(_rank, 2, tok_dir, prefix, caches)))
 
 
 @pytest.mark.slow

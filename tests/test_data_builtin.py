@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -13,6 +12,7 @@ import pytest
 
 from data_support import small_builtin
 
+from megatron_recipes.check import ranks
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.data import artifact_cache as cache
 
@@ -89,7 +89,7 @@ def _build_in_child(root: str, queue) -> None:
 
 @pytest.mark.slow
 def test_concurrent_callers_build_once(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = ranks.context()  # separate processes, forked from the preloaded server
     queue = ctx.Queue()
     procs = [ctx.Process(target=_build_in_child, args=(str(tmp_path), queue)) for _ in range(3)]
     for p in procs:
@@ -118,7 +118,7 @@ def _slow_build(final: str, started) -> None:
 
 def test_killed_builder_leaves_nothing_that_looks_complete(tmp_path):
     final = tmp_path / "artefact"
-    ctx = mp.get_context("spawn")
+    ctx = ranks.context()  # separate processes, forked from the preloaded server
     started = ctx.Event()
     proc = ctx.Process(target=_slow_build, args=(str(final), started))
     proc.start()

@@ -177,34 +177,27 @@ def test_batch_iterator_errors(env):
     assert torch.equal(first["tokens"][1], train[0]["tokens"])
 
 
-def _rank_main(rank: int, world: int, port: int, cache_dir: str, out: dict) -> None:
+def _rank_main(cache_dir: str) -> list:
     import os
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         cfg = small_cfg(Path(cache_dir), "train.train_iters=6", "+data.blend_per_split={}")
         tok = load_tokenizer(cfg)  # every rank asks for the built-in corpus at once: one builds
         train, _, _ = build_pretrain_datasets(cfg, tok)
-        out[rank] = [b["tokens"] for b in _take(micro_batches(train, 2, rank, world), 3)]
+        return [b["tokens"] for b in _take(micro_batches(train, 2, rank, world), 3)]
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_ranks_build_concurrently_and_slice_the_global_order(tmp_path):
-    import socket
+    from multiproc import run_ranks
 
-    import torch.multiprocessing as tmp_mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    manager = tmp_mp.get_context("spawn").Manager()
-    out = manager.dict()
-    tmp_mp.start_processes(_rank_main, args=(2, port, str(tmp_path), out), nprocs=2, start_method="spawn")
+    out = run_ranks(_rank_main, 2, str(tmp_path))
     with one_rank_group():
         cfg = small_cfg(tmp_path, "train.train_iters=6")
         train, _, _ = build_pretrain_datasets(cfg, load_tokenizer(cfg))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
+
+from multiproc import run_ranks
 
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.run_files import read_marker
@@ -114,16 +114,10 @@ def test_bad_signal_name_is_a_recipe_error(tmp_path):
 
 # --- two real processes over gloo: one rank is told, both stop at the same step -----------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _agreement_worker(rank: int, world: int, port: int, run_dir: str, how: str, out_dir: str) -> None:
+def _agreement_worker(run_dir: str, how: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if how == "file":
         # each rank looks at its own flag path, as with node-local storage: only rank 1's appears
         os.environ[FLAG_FILE_ENV] = str(Path(run_dir) / f"flag-rank{rank}")
@@ -150,7 +144,7 @@ def test_two_ranks_agree_on_the_stop_step(tmp_path, how):
     run_dir, out_dir = tmp_path / "run", tmp_path / "out"
     run_dir.mkdir()
     out_dir.mkdir()
-    mp.spawn(_agreement_worker, args=(2, _free_port(), str(run_dir), how, str(out_dir)), nprocs=2, join=True)
+    run_ranks(_agreement_worker, 2, str(run_dir), how, str(out_dir))
     results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["stopped"] for r in results] == [6, 6]
     # rank 0 never saw the signal or its own flag: it stopped because rank 1 did

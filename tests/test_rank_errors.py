@@ -11,12 +11,17 @@ import time
 import pytest
 
 TARGET = textwrap.dedent("""
-    import os, sys, time
-    from megatron_recipes.runtime.rank_errors import report
+    import os, pathlib, sys, time
+    from megatron_recipes.runtime.rank_errors import ENV, report
 
     rank, failing = int(os.environ["RANK"]), [int(r) for r in sys.argv[1].split(",")]
     if rank in failing:
         report(sys.argv[2] if len(sys.argv) > 2 else f"the file of rank {rank} is unreadable\\n  fix: check it")
+        # the first rank to exit gets the others stopped: leave once every failing rank has said its error (on a
+        # busy machine a rank still starting would otherwise be stopped before it fails)
+        deadline = time.monotonic() + 30
+        while len(list(pathlib.Path(os.environ[ENV]).glob("rank*.txt"))) < len(failing) and time.monotonic() < deadline:
+            time.sleep(0.05)
         sys.exit(2)
     time.sleep(60)  # a healthy rank waits in a collective until the launcher stops it
 """)
