@@ -137,3 +137,16 @@ def test_the_fallbacks_without_transformer_engine_are_patched_on_gpus_too():
     for name in ("moe-te-general-gemm", "fsdp-telinear"):
         assert rows[name].scope == "no_te" and not rows[name].without_cuda, name
     assert 'patches.apply("no_te")' in inspect.getsource(builder.build_gpt_model)
+
+
+def test_the_moe_aux_loss_row_applies_on_gpus_too():
+    """The aux-loss token count is wrong on every device (GPU runs are what users train): the row must not be
+    limited to the CPU lane or to missing TE, and the model builder applies its scope for every model."""
+    import inspect
+
+    from megatron_recipes.models import builder
+
+    row = {p.name: p for p in patches.PATCHES}["moe-aux-loss-token-count"]
+    assert row.scope == "model" and not row.without_cuda and row.requires is None
+    source = inspect.getsource(builder.build_gpt_model)
+    assert 'patches.apply("model")' in source and source.index('patches.apply("model")') < source.index("GPTModel(")

@@ -116,6 +116,7 @@ def build_gpt_model(
         # megatron-core's fallbacks without TE (MoE router GEMM, Megatron-FSDP's TELinear check) fail on a
         # GPU image without TE as on the CPU lane: runtime/patches/ scope no_te
         patches.apply("no_te")
+    patches.apply("model")  # megatron-core defects in what the model runs, GPU or CPU (the MoE aux-loss scale)
     config = config or transformer_config_for(cfg)
     m = cfg.model
     spec = layer_spec(cfg, config, vp_stage=vp_stage, use_te=use_te)

@@ -17,6 +17,7 @@ begins, explicitly:
 * ``cpu_lane``: ``runtime/cpu_lane.activate`` (no CUDA);
 * ``no_te``: building a model where Transformer Engine does not import (``models/builder.py``), GPU or CPU:
   megatron-core's TE fallbacks that break there, whatever the device;
+* ``model``: building any model (``models/builder.py``), GPU or CPU: what every run of the model executes;
 * ``local_mla``: building an MLA model on the local (non-TE) spec (``models/local_mla.py``);
 * ``optimizer``: ``training/optim.build_optimizer``, with the optimizer (some rows fix that object);
 * ``fsdp``: ``training/optim.wrap_model``, before Megatron-FSDP wraps a model (GPU and CPU alike);
@@ -59,6 +60,10 @@ from megatron_recipes.runtime.patches._lane import (
     _pipeline_tensors_on_cpu,
     _pipeline_tensors_must_be_cuda,
 )
+from megatron_recipes.runtime.patches._model import (
+    _scale_aux_loss_by_micro_batch_tokens,
+    _aux_loss_counts_the_routers_share_of_tokens,
+)
 from megatron_recipes.runtime.patches._optimizer import (
     _allocate_torch_adam_state,
     _state_dict_asserts_step,
@@ -78,7 +83,7 @@ from megatron_recipes.runtime.patches._writes import (
     _async_writer_starts_a_spawn_manager,
 )
 
-SCOPES = ("process", "cpu_lane", "no_te", "local_mla", "optimizer", "fsdp", "save", "async_save", "inference")
+SCOPES = ("process", "cpu_lane", "no_te", "model", "local_mla", "optimizer", "fsdp", "save", "async_save", "inference")
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,14 @@ PATCHES: List[Patch] = [
     Patch("moe-te-general-gemm", "no_te", "megatron.core.transformer.moe.moe_utils:te_general_gemm", ("0.16", "0.17"),
           "the router's GEMM helper tests a name left undefined when Transformer Engine is absent (0.17 defines it None)",
           "tests/test_parallel_equivalence.py", _define_te_general_gemm, _te_general_gemm_undefined),
+    Patch("moe-aux-loss-token-count", "model",
+          "megatron.core.transformer.moe.router:TopKRouter.attach_and_log_load_balancing_loss,_apply_seq_aux_loss",
+          ("0.16", "0.19"), "with per-token loss the router's aux loss is scaled by the tokens this rank routes, not "
+          "by the micro-batch the loss function counts: under SP (or CP) each TP x CP rank routes 1/(TP x CP) of it, "
+          "so the load-balancing gradient was 1/(TP x CP) of one rank's (Qwen3-235B at TP2: grad norm 1.4e-4 off "
+          "at step 1), and seq_aux_loss's another 1/micro_batch_size (0.19 counts the whole micro-batch)",
+          "tests/test_moe_aux_loss.py", _scale_aux_loss_by_micro_batch_tokens,
+          _aux_loss_counts_the_routers_share_of_tokens),
     Patch("grad-norm-float64", "cpu_lane", "megatron.core.optimizer.clip_grads:l2_norm_impl", ("0.16", None),
           "without Apex/TE the gradient norm is a float32 torch.norm whose CPU rounding depends on how a tensor is "
           "sharded: one model's norm differed 1.6e-5 between TP=1 and TP=2, so check called a right layout wrong",
