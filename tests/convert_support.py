@@ -3,7 +3,7 @@
 Each family's module declares its tiny config (``Family.tiny_hf_config``): small (4 layers, hidden 64)
 but exercising what its mapping must get right: GQA (2 query groups under 4 heads), llama3 RoPE scaling,
 a sliding window shorter than the prompt, QKV biases with tied embeddings, q/k norms with an explicit
-head_dim, experts, MLA with YaRN and a shared expert. Norm weights, biases and buffers are randomised
+head_dim, experts, MLA with YaRN and a shared expert, a multi-token-prediction layer. Norm weights, biases and buffers are randomised
 here, since HF initialises them to 1/0 and a swapped norm would otherwise go unnoticed. Vocabulary sizes
 force padding. The tests loop over ``FAMILIES``, so a new family is covered without editing them.
 """
@@ -38,6 +38,10 @@ def make_hf_model(family: str, folder: Path, seed: int = 0, dtype: torch.dtype =
             if tensor.is_floating_point() and ("norm" in name or "bias" in name):
                 tensor.add_(torch.randn_like(tensor) * 0.2)
     model.save_pretrained(str(folder))
+    if getattr(model.config, "num_nextn_predict_layers", 0):  # MTP layers, which transformers does not build
+        from mtp_support import add_mtp_layers
+
+        add_mtp_layers(family, folder, model, seed, dtype, **overrides)
     return folder
 
 

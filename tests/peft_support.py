@@ -192,8 +192,9 @@ def import_hf_llama(root: str) -> str:
     return str(root_path / "base")
 
 
-def train_and_save(world: int, run_dir: str, pretrained: str, steps: int, *overrides: str) -> List[float]:
-    """A PEFT run through the checkpoint engine (no data pipeline): pretrained base, adapters, save."""
+def train_and_save(world: int, run_dir: str, pretrained: str, steps: int, *overrides: str, inspect: Callable | None = None):
+    """A PEFT run through the checkpoint engine (no data pipeline): pretrained base, adapters, save; its
+    losses, or ``(losses, inspect(chunks))`` to read this rank's trained model."""
     from megatron_recipes.models.builder import build_model_chunks
     from megatron_recipes.peft.state import prepare_for_training
     from megatron_recipes.runtime.distributed import init_model_parallel
@@ -207,4 +208,4 @@ def train_and_save(world: int, run_dir: str, pretrained: str, steps: int, *overr
     model, optimizer, scheduler, losses = _optimize(cfg, chunks, steps)
     root = checkpoint.checkpoints_root(cfg)
     checkpoint.save(root, steps, model, optimizer, scheduler, {"step": steps}, cfg, keep_last=2)
-    return losses
+    return losses if inspect is None else (losses, inspect(chunks))

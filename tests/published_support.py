@@ -1,9 +1,12 @@
 """The published Megatron-Bridge throughput table (``data/published_throughput.csv``) as recipes.
 
 Each row becomes the recipe of its model family with the published layout and the settings the
-published performance recipes use (bf16 gradient reduction, FP8 weights under FP8/MXFP8, no recompute),
-so ``plan`` can be compared with what NVIDIA measured. Run ``python benchmarks/published_throughput.py``
-for every row's published figure, our estimate and their ratio.
+published performance recipes use (bf16 gradient reduction, FP8 weights under FP8/MXFP8, no recompute
+beyond the modules a run recomputes selectively), so ``plan`` can be compared with what NVIDIA measured. MoE rows take each run's dispatcher and EP overlap
+and DeepSeek-V3's pipeline layout from Megatron-Bridge's performance configs of the same release
+(``scripts/performance/configs/*/*_workload_base_configs.py`` and ``*_llm_pretrain.py``); what a run used
+that a recipe cannot say is listed per row (``RUNS[...].unmodelled``). Run
+``python benchmarks/published_throughput.py`` for every row's published figure, our estimate and their ratio.
 """
 
 from __future__ import annotations
@@ -19,6 +22,48 @@ RECIPES = {
     "LLAMA3.1_405B": "llama31_405b_pretrain",
     "DeepSeekV3": "deepseek_v3_pretrain",
     "Qwen3_30B_a3B": "qwen3_30b_a3b_pretrain",
+    "Qwen3_235B_a22B": "qwen3_235b_a22b_pretrain",
+}
+# DeepSeek-V3's 61 layers + MTP over (pp, vp) as the published runs split them: Megatron-Bridge's
+# set_deepseek_v3_pipeline_model_parallel_layout, or the config's own pp_layout (GB300 and B200)
+LAYOUTS = {
+    ("DeepSeekV3", 2, 8): "Et*4|(t*4|)*14tmL",
+    ("DeepSeekV3", 4, 4): "Et*4|(t*4|)*14tmL",
+    ("DeepSeekV3", 8, 2): "Et*4|(t*4|)*14tmL",
+    ("DeepSeekV3", 8, 0): "Et*8|(t*8|)*6t*5mL",
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a published MoE run set beyond its layout: token dispatcher, EP overlap (``moe_a2a_overlap``:
+    overlap_moe_expert_parallel_comm with delay_wgrad_compute), the modules it recomputes (selective
+    recompute_modules), and what no recipe field expresses yet."""
+
+    dispatcher: str = "flex"  # flex | alltoall
+    backend: str = "hybridep"  # flex only: hybridep | deepep
+    overlap: bool = False
+    recompute: tuple = ()  # recompute_modules; () = none
+    unmodelled: tuple = ()
+
+
+_NO_TP_OVERLAP = "tp_comm_overlap off (the plan assumes TP 25% exposed)"
+RUNS = {  # (system, model) -> Run; rows not listed (dense models) need none
+    # DeepSeek-V3: deepseek_workload_base_configs.py's V2 presets (GBS 4096) for FP8_MX, its recompute_modules
+    # with recompute_granularity "selective" (set_deepseek_v3_common_configs); Qwen3's runs recompute nothing
+    ("DGX-GB300", "DeepSeekV3"): Run(recompute=("mla_up_proj",)),
+    ("DGX-GB200", "DeepSeekV3"): Run(recompute=("mlp",), unmodelled=("CUDA graphs (attn, router)",)),
+    ("DGX-B300", "DeepSeekV3"): Run(recompute=("mla_up_proj",), unmodelled=("CUDA graphs (attn, router)",)),
+    ("DGX-B200", "DeepSeekV3"): Run(backend="deepep", overlap=True, recompute=("mla_up_proj", "mlp"),
+                                    unmodelled=("CUDA graphs (attn, router)",)),
+    **{(system, "Qwen3_30B_a3B"): Run(unmodelled=("CUDA graphs (router)",)) for system in ("DGX-GB300", "DGX-GB200", "DGX-B300")},
+    ("DGX-B200", "Qwen3_30B_a3B"): Run(unmodelled=("CUDA graphs (attn, router)",)),
+    ("DGX-H100", "Qwen3_30B_a3B"): Run(),
+    ("DGX-GB300", "Qwen3_235B_a22B"): Run(unmodelled=("CUDA graphs (attn, router)",)),
+    ("DGX-GB200", "Qwen3_235B_a22B"): Run(unmodelled=("CUDA graphs (attn, router)",)),
+    ("DGX-B300", "Qwen3_235B_a22B"): Run(),
+    ("DGX-B200", "Qwen3_235B_a22B"): Run(dispatcher="alltoall"),
+    ("DGX-H100", "Qwen3_235B_a22B"): Run(dispatcher="alltoall", overlap=True, unmodelled=(_NO_TP_OVERLAP,)),
 }
 CLUSTERS = {  # system -> (cluster group, GPUs per node)
     "DGX-H100": ("h100_8gpu", 8),
@@ -89,19 +134,34 @@ def overrides(row: Row, num_layers: int) -> tuple[Optional[List[str]], str]:
     """(the row as ``plan`` overrides, or None with the reason it cannot be planned yet)."""
     if row.fsdp:
         return None, "FSDP is not in the recipes yet"
-    split = _split_overrides(num_layers, row.pp, row.vp)
+    layout = LAYOUTS.get((row.model, row.pp, row.vp))
+    split = [f"parallel.pipeline_layout='{layout}'"] if layout else _split_overrides(num_layers, row.pp, row.vp)
     if split is None:
         return None, f"{num_layers} layers do not split over pp={row.pp} x vp={row.vp} without a pipeline layout"
+    if not layout:
+        split.append("parallel.pipeline_layout=null")
     cluster, per_node = CLUSTERS[row.system]
     group, extra = PRECISIONS[row.precision]
+    modules = RUNS[(row.system, row.model)].recompute if (row.system, row.model) in RUNS else ()
+    recompute = (["train.recompute=selective", f"train.recompute_modules=[{','.join(modules)}]"] if modules
+                 else ["train.recompute=none", "train.recompute_modules=[core_attn]"])
     out = [
         f"cluster={cluster}", f"cluster.nodes={row.gpus // per_node}", f"precision={group}", *extra,
         "precision.grad_reduce_in_fp32=false", f"parallel.tp={row.tp}", f"parallel.pp={row.pp}",
         f"parallel.cp={row.cp}", f"parallel.vpp={row.vp or 'null'}", f"parallel.sp={str(row.tp > 1).lower()}",
         f"train.global_batch_size={row.gbs}", f"train.micro_batch_size={row.mbs}", f"train.seq_length={row.seq}",
-        "train.recompute=none", *split,
+        *recompute, *split,
     ]
     if row.ep:
+        run = RUNS[(row.system, row.model)]
+        overlap = str(run.overlap).lower()
         out += [f"parallel.ep={row.ep}", "parallel.etp=1", "parallel.allow_inter_node_ep=true",
-                "parallel.moe_dispatcher=flex", "parallel.moe_flex_backend=hybridep"]
+                f"parallel.moe_dispatcher={run.dispatcher}", f"parallel.moe_flex_backend={run.backend}",
+                f"parallel.overlap_moe_expert_parallel_comm={overlap}", f"parallel.delay_wgrad_compute={overlap}"]
     return out, ""
+
+
+def unmodelled(row: Row) -> tuple:
+    """What the published run used that the plan of the row does not model."""
+    run = RUNS.get((row.system, row.model))
+    return run.unmodelled if run else ()

@@ -59,6 +59,7 @@ def test_pipeline_layout_with_mtp_on_its_own_stage_is_proven(tmp_path, cache):
                       "model.mtp_num_layers=1", "parallel.pipeline_layout='Etttt|m|L'", "train.global_batch_size=24")
     assert code == 0, out
     assert "verdict: PROVEN" in out and "TP1 PP3 CP1 DP1" in out
+    assert "mtp_1_loss layout" in out and "mtp_1_loss resumed" in out  # the MTP layer's own loss is judged too
 
 
 def test_wrong_pipeline_split_trains_wrong_at_step_1(tmp_path, cache):

@@ -73,7 +73,21 @@ def test_shrunk_recipe_passes_every_rule(recipe):
     assert layout.model.moe_router_topk == cfg.model.moe_router_topk
 
 
-FIRST_LAST = ["parallel.vpp=null", "parallel.pipeline_layout=null", "parallel.num_layers_in_first_pipeline_stage=3",
+def test_precision_settings_on_top_of_the_group_do_not_outlive_the_fp32_swap():
+    """A recipe that gathers FP8 weights (precision.fp8_param_gather=true, as the published FP8 runs do) is checked
+    in float32: that setting must go with its group, or the shrunk runs break precision rules."""
+    _, _, planned, notes, _ = plan_runs("qwen3_235b_a22b_pretrain", ["precision.fp8_param_gather=true"], 8, 6, 4)
+    for name in ("layout", "reference"):
+        shrunk = compose_recipe("qwen3_235b_a22b_pretrain", planned[name])
+        assert shrunk.precision.params_dtype == "fp32" and not shrunk.precision.fp8_param_gather
+        bad = [f"[{v.rule_id}] {v.message}" for v in validate(shrunk)]
+        assert not bad, f"{name}: {bad}"
+    assert any("-> fp32" in n for n in notes)
+
+
+FIRST_LAST = ["parallel.pp=16", "parallel.vpp=null", "parallel.pipeline_layout=null",
+              "parallel.overlap_moe_expert_parallel_comm=false", "parallel.delay_wgrad_compute=false",
+              "parallel.num_layers_in_first_pipeline_stage=3",
               "parallel.num_layers_in_last_pipeline_stage=2"]  # DeepSeek-V3's 61 layers as 3 + 14x4 + 2 over PP16
 
 
@@ -90,15 +104,20 @@ def test_layers_per_stage_and_chunk_are_kept():
     assert l70.model.num_layers // (l70.parallel.pp * l70.parallel.vpp) == 4
 
 
+# Megatron-LM's documented DeepSeek-V3 layout: the MTP layer and the loss each on a chunk of their own, PP16 x VPP2
+DOCUMENTED = ["parallel.pp=16", "parallel.vpp=2", "parallel.pipeline_layout='Et*3|(tt|)*29,m|L'"]
+NO_EP_OVERLAP = ["parallel.overlap_moe_expert_parallel_comm=false", "parallel.delay_wgrad_compute=false"]
+
+
 def test_pipeline_layout_is_shrunk_with_its_kinds_of_stages():
-    """deepseek_v3_pretrain's "Et*3|(tt|)*29,m|L" on the 8 ranks a check has (PP 16 -> 4, VPP 2 kept): the
-    first stage as written, 2 layers per other chunk, the loss in a closing stage of its own; the MTP layer
+    """Megatron-LM's DeepSeek-V3 layout "Et*3|(tt|)*29,m|L" on the 8 ranks a check has (PP 16 -> 4, VPP 2 kept):
+    the first stage as written, 2 layers per other chunk, the loss in a closing stage of its own; the MTP layer
     joins it there (its own interleaved stage hangs the CPU lane, said in the notes). Without interleaving
-    the MTP stage stays apart."""
+    the MTP stage stays apart. deepseek_v3_pretrain's own "Et|(tt|)*30mL" (PP8 x VPP4) keeps its kinds too."""
     from megatron_recipes.config import pipeline_layout
 
     for full in (True, False):
-        cfg, small, planned, notes, _ = plan_runs("deepseek_v3_pretrain", [], 8, 6, 4, full_depth=full)
+        cfg, small, planned, notes, _ = plan_runs("deepseek_v3_pretrain", DOCUMENTED, 8, 6, 4, full_depth=full)
         layout = compose_recipe("deepseek_v3_pretrain", planned["layout"])
         p = layout.parallel
         assert (p.pp, p.vpp) == (small.degrees.pp, cfg.parallel.vpp) == (4, 2)
@@ -108,10 +127,17 @@ def test_pipeline_layout_is_shrunk_with_its_kinds_of_stages():
         assert layout.model.num_layers == "".join(flat).count("t") and layout.model.mtp_num_layers == 1
         reference = compose_recipe("deepseek_v3_pretrain", planned["reference"])
         assert reference.parallel.pipeline_layout is None and reference.model.num_layers == layout.model.num_layers
-    plain = ["parallel.vpp=null", "parallel.pipeline_layout='Et*3|(tt|)*13,m|L'"]  # 3 + 13x2 layers, MTP, loss: PP16
+    plain = [*NO_EP_OVERLAP, "parallel.pp=16", "parallel.vpp=null",
+             "parallel.pipeline_layout='Et*3|(tt|)*13,m|L'"]  # 3 + 13x2 layers, MTP, loss: PP16
     _, _, planned, notes, _ = plan_runs("deepseek_v3_pretrain", plain + ["model.num_layers=29"], 8, 6, 4)
     flat = pipeline_layout.stages(compose_recipe("deepseek_v3_pretrain", plain + planned["layout"]).parallel.pipeline_layout)
     assert flat[-2:] == ["m", "L"] and not any("MTP layer shares" in n for n in notes)
+    cfg, small, planned, notes, _ = plan_runs("deepseek_v3_pretrain", [], 8, 6, 4)
+    p = compose_recipe("deepseek_v3_pretrain", planned["layout"]).parallel
+    flat = pipeline_layout.stages(p.pipeline_layout)
+    assert (p.pp, p.vpp) == (4, cfg.parallel.vpp) == (4, 4)
+    assert flat[0] == "Et" and flat[-1] == "mL" and set(flat[1:-1]) == {"tt"} and len(flat) == 16, flat
+    assert not any("MTP layer shares" in n for n in notes)  # it already does, as written
 
 
 def test_vocabulary_padding_is_kept_and_matched_by_the_reference():

@@ -17,6 +17,7 @@ SHIPPED = [
     "llama31_405b_pretrain",
     "mixtral_8x7b_pretrain",
     "qwen3_30b_a3b_pretrain",
+    "qwen3_235b_a22b_pretrain",
     "deepseek_v3_pretrain",
     "tiny_llama_cpu",
 ]
@@ -65,6 +66,7 @@ def test_model_configs_match_published_sizes():
         "llama31_405b_pretrain": (405.9, 405.9),
         "mixtral_8x7b_pretrain": (46.7, 12.9),
         "qwen3_30b_a3b_pretrain": (30.5, 3.3),
+        "qwen3_235b_a22b_pretrain": (235.1, 22.2),
     }
     for recipe, (total, active) in expect.items():
         cfg = compose_recipe(recipe)

@@ -5,9 +5,11 @@ megatron-core's unfused attention, whose ``s x s`` scores the estimate must then
 rank holds ``s/cp`` tokens and the CP attention keeps all-gathered K/V (``models/context_parallel.py``).
 Saved tensors are counted with ``torch.autograd.graph.saved_tensors_hooks`` during one training-mode
 forward of a model built by megatron-core (local spec, CPU lane, real spawned processes), deduplicated
-by storage and excluding parameters. Each case is checked twice: the whole model (embedding, layers,
-loss) and the layers alone (the difference between a 4-layer and a 2-layer model), so the per-layer
-formula cannot hide behind the logits.
+by storage and excluding parameters, each storage at its size when the forward ends (selective recompute's
+``CheckpointWithoutOutput`` frees what it discards after the consumers saved it). MLA runs megatron-core's
+unfused attention on the local spec (its q/k and v head sizes differ), whose scores the estimate counts.
+Each case is checked twice: the whole model (embedding, layers, loss) and the layers alone (the difference
+between a 4-layer and a 2-layer model), so the per-layer formula cannot hide behind the logits.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ TOLERANCE = 0.10
 SHAPE = ["train.seq_length=256", "train.micro_batch_size=2", "train.global_batch_size=16", "model.vocab_size=1024",
          "data.builtin_vocab_size=1024", "data=mock", "precision=fp32"]
 FULL2 = ["train.recompute=full", "train.recompute_num_layers=2"]
+MLA = ["model.multi_latent_attention=true", "model.qk_layernorm=true", "model.q_lora_rank=32", "model.kv_lora_rank=32",
+       "model.qk_head_dim=16", "model.qk_pos_emb_head_dim=8", "model.v_head_dim=16", "model.num_query_groups=4"]
+MOE_PARTS = ["model=tiny_moe", "model.moe_first_dense_layers=1", "model.moe_shared_expert_intermediate_size=128"]
+
+
+def _modules(*names: str) -> List[str]:
+    return ["train.recompute=selective", f"train.recompute_modules=[{','.join(names)}]"]
+
 
 ONE_RANK: Dict[str, List[str]] = {
     "gqa": [],
@@ -42,6 +52,11 @@ ONE_RANK: Dict[str, List[str]] = {
     "gqa_full_uniform2": FULL2,
     "gqa_full_block1": ["train.recompute=full", "train.recompute_method=block"],
     "moe_full_block1": ["model=tiny_moe", "train.recompute=full", "train.recompute_method=block"],
+    "moe_parts": MOE_PARTS,
+    "moe_parts_layernorm_mlp_shared": [*MOE_PARTS, *_modules("layernorm", "mlp", "shared_experts")],
+    "moe_parts_moe_core_attn": [*MOE_PARTS, *_modules("moe", "core_attn")],
+    "mla": MLA,
+    "mla_up_proj_layernorm": [*MLA, *_modules("mla_up_proj", "layernorm")],
 }
 
 TWO_RANKS: Dict[str, List[str]] = {
@@ -51,6 +66,8 @@ TWO_RANKS: Dict[str, List[str]] = {
     "moe_tp2_sp": ["model=tiny_moe", "parallel.tp=2", "parallel.sp=true"],
     "moe_ep2": ["model=tiny_moe", "parallel.ep=2"],
     "cp2": ["parallel.cp=2", "parallel.cp_comm_type=all_gather"],  # each rank s/cp tokens, K/V gathered to s
+    "tp2_sp_layernorm_mlp": ["parallel.tp=2", "parallel.sp=true", *_modules("layernorm", "mlp")],
+    "mla_tp2_sp_up_proj": [*MLA, "parallel.tp=2", "parallel.sp=true", *_modules("mla_up_proj")],
 }
 
 
@@ -73,19 +90,20 @@ def _saved_bytes(model, cfg) -> int:
     share = cp_share({"tokens": tokens, "position_ids": position_ids}, *cp)  # the trainer's CP split
     tokens, position_ids = share["tokens"], share["position_ids"]
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: Dict[int, int] = {}
+    storages: Dict[int, object] = {}
 
     def pack(t):
         storage = t.untyped_storage()
         if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
+            storages[storage.data_ptr()] = storage  # sized below, once the forward has discarded what it discards
         return t
 
     model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(tokens, position_ids, None, labels=tokens)
+    saved = sum(storage.nbytes() for storage in storages.values())
     del loss
-    return sum(storages.values())
+    return saved
 
 
 def _measure(cases: Dict[str, List[str]], world: int) -> Dict[str, Tuple[int, int]]:
@@ -132,6 +150,9 @@ def test_activation_estimate_one_rank_with_and_without_recompute():
     _check(results, ONE_RANK, 1)
     gqa, full = results[0]["gqa"], results[0]["gqa_full_uniform"]
     assert full[0] < gqa[0] / 2  # recompute really dropped what the estimate says it drops
+    layers = {name: big - small for name, (big, small) in results[0].items()}
+    assert layers["mla_up_proj_layernorm"] < 0.9 * layers["mla"]  # and so did selective recompute, module by module
+    assert layers["moe_parts_moe_core_attn"] < 0.5 * layers["moe_parts"] and layers["moe_parts_layernorm_mlp_shared"] < layers["moe_parts"]
 
 
 def test_activation_estimate_tensor_and_sequence_parallel_two_ranks():

@@ -83,3 +83,39 @@ def test_local_spec_replacement_reaches_inside_a_partial():
     out = _replace_modules(spec, {DotProductAttention: Replacement}).submodules[0]
     assert isinstance(out, functools.partial) and out.func is MoELayer
     assert out.args[0].module is Replacement and out.keywords["submodules"].module is Replacement
+
+
+
+def _mtp_tracker_round_trip():
+    """(one rank, CPU lane: the tracker allocates on the CUDA device) What take_mtp_losses reads and leaves."""
+    import torch
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper as helper
+
+    from megatron_recipes.runtime import cpu_lane
+
+    if cpu_lane.needed():
+        cpu_lane.activate()
+    out = {"empty": mcore_compat.take_mtp_losses(2)}
+    for layer, loss in ((0, 1.5), (1, 2.5), (0, 0.5)):
+        if mcore_compat.at_least(mcore_compat.MTP_TRACKER_RENAMED_IN):
+            helper.save_metrics_to_tracker(torch.tensor(loss), torch.tensor(0.0), torch.tensor(1.0), layer, 2)
+        else:
+            helper.save_loss_to_tracker(torch.tensor(loss), layer, 2)
+    out["taken"] = mcore_compat.take_mtp_losses(2).tolist()
+    out["after"] = mcore_compat.take_mtp_losses(2).tolist()
+    try:
+        mcore_compat.take_mtp_losses(1)
+    except RuntimeError as exc:
+        out["wrong_count"] = str(exc)
+    return out
+
+
+def test_mtp_losses_are_taken_from_the_tracker_and_cleared():
+    """Each release's MTPLossLoggingHelper keeps the MTP losses under its own names (0.19: beside acceptance
+    counts); the trainer reads and clears them through mcore_compat."""
+    from multiproc import run_ranks
+
+    out = run_ranks(_mtp_tracker_round_trip, 1)[0]
+    assert out["empty"] is None
+    assert out["taken"] == [2.0, 2.5] and out["after"] == [0.0, 0.0]
+    assert "2 MTP losses" in out.get("wrong_count", "")

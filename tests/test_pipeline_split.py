@@ -161,3 +161,18 @@ def test_empty_pipeline_stage_is_refused_before_it_hangs():
                                              "parallel.account_for_loss_in_pipeline_split=true"])
     assert "cannot be combined with parallel.account_for_loss_in_pipeline_split" in next(
         v.message for v in validate(both) if v.rule_id == "pp.pipeline_layout")
+
+
+def test_last_stage_size_without_pipeline_parallelism_is_refused():
+    """Megatron-LM #1778: decoder_last_pipeline_num_layers with PP=1 silently dropped layers; refused here."""
+    cfg = compose_recipe("tiny_llama_cpu", ["parallel=none", "parallel.num_layers_in_last_pipeline_stage=2"])
+    found = {v.rule_id: v.message for v in validate(cfg)}
+    assert "pp.layer_split" in found and "need parallel.pp > 1" in found["pp.layer_split"], found
+
+
+def test_a_recipe_layout_that_a_command_line_vpp_contradicts_is_refused():
+    """Megatron-Bridge #1502: DeepSeek-V3's layout, written for the recipe's VPP, met a VPP given on the command
+    line; here the layout is checked against the degrees the run ends up with, and the message says so."""
+    cfg = compose_recipe("deepseek_v3_pretrain", ["parallel.vpp=2"])  # its layout has 8 x 4 stages
+    found = {v.rule_id: v.message for v in validate(cfg)}
+    assert "pp.pipeline_layout" in found and "vpp" in found["pp.pipeline_layout"].lower(), found

@@ -118,7 +118,23 @@ def test_unknown_flag_and_missing_recipe(capsys):
     assert rc != 0 and "missing recipe" in err
 
 
-@pytest.mark.parametrize("recipe", ["deepseek_v3_pretrain", "qwen3_30b_a3b_pretrain", "tiny_llama_cpu"])
+def test_plan_shows_the_ep_all_to_all_exposed_and_hidden(capsys):
+    """Qwen3-235B-A22B overlaps its EP all-to-all: plan says how much of it the other micro-batch hides;
+    without the overlap, all of it is exposed and plan names the setting."""
+    rc, out, err = _run(capsys, "qwen3_235b_a22b_pretrain")
+    assert rc == 0, err
+    assert "verdict: FITS" in out
+    assert "EP all-to-all:" in out and "hidden behind the other micro-batch's computation" in out
+    rc, out, _ = _run(capsys, "qwen3_235b_a22b_pretrain", "--json")
+    st = json.loads(out)["step_time"]
+    assert 0 < st["ep_hidden_s"] < st["ep_transfer_s"]
+    assert 0 < st["breakdown_s"]["ep"] < st["ep_blocking_s"]
+    rc, out, _ = _run(capsys, "qwen3_235b_a22b_pretrain", "parallel.overlap_moe_expert_parallel_comm=false",
+                      "parallel.delay_wgrad_compute=false")
+    assert "all exposed (parallel.overlap_moe_expert_parallel_comm=true" in out
+
+
+@pytest.mark.parametrize("recipe", ["deepseek_v3_pretrain", "qwen3_30b_a3b_pretrain", "qwen3_235b_a22b_pretrain", "tiny_llama_cpu"])
 def test_every_recipe_plans(capsys, recipe):
     rc, out, err = _run(capsys, recipe, "--json")
     assert rc == 0, err

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_recipes.config import derived
 from megatron_recipes.config.compose import compose_recipe
 from megatron_recipes.estimate.memory import estimate_memory
 from megatron_recipes.estimate.steptime import estimate_step_time
@@ -26,8 +27,70 @@ def _cfg(row: pub.Row):
 
 def test_table_has_the_issue_rows():
     models = {r.model for r in H100}
-    assert {"LLAMA3_70B", "LLAMA3.1_405B", "Qwen3_30B_a3B"} <= models
+    assert {"LLAMA3_70B", "LLAMA3.1_405B", "Qwen3_30B_a3B", "Qwen3_235B_a22B"} <= models
     assert all(r.model in pub.RECIPES for r in pub.load())
+    assert all((r.system, r.model) in pub.RUNS for r in pub.load() if r.ep)  # every MoE run says its dispatcher
+
+
+@pytest.mark.parametrize("row", [r for r in pub.load() if r.model in ("DeepSeekV3", "Qwen3_235B_a22B")], ids=lambda r: r.label)
+def test_model_flops_per_token_match_the_published_mfu_count(row):
+    """Our FLOPs per token (the MFU numerator) against the table's model TFLOP/s over its tokens/s: Megatron-Bridge
+    counts the same routed experts, MLA, padded logits and DeepSeek-V3's MTP layer with its own logits (3.7% of
+    its count). Both published figures are rounded (tokens/s to tens, a few % on the dense rows' small ones)."""
+    from megatron_recipes.estimate import cost
+
+    published = row.model_tflops_per_gpu * 1e12 / row.tokens_per_s_per_gpu
+    assert cost.flops_per_token(_cfg(row)) == pytest.approx(published, rel=0.01)
+
+
+def test_deepseek_rows_plan_with_the_published_layouts():
+    """61 layers + MTP split over pp x vp only with a pipeline layout: each DeepSeek-V3 row gets Bridge's, which
+    passes every layout rule and places the MTP layer and the loss on the last rank's last chunk."""
+    rows = [r for r in pub.load() if r.model == "DeepSeekV3"]
+    assert {r.system for r in rows} >= {"DGX-GB300", "DGX-GB200", "DGX-B200"}
+    for row in rows:
+        cfg = _cfg(row)
+        assert cfg.parallel.pipeline_layout == pub.LAYOUTS[(row.model, row.pp, row.vp)]
+        assert [v.rule_id for v in validate(cfg) if v.rule_id != "memory.fits"] == [], row.label
+        assert derived.mtp_stage(cfg) == (row.pp - 1, max(1, row.vp) - 1)
+        assert sum(len(c) for stage in derived.pipeline_stage_layers(cfg) for c in stage) == 61
+
+
+def test_deepseek_rows_recompute_the_published_modules_and_fit():
+    """Each published DeepSeek-V3 run recomputes modules (Megatron-Bridge's recompute_modules: MLA up-projections,
+    dense MLPs): its row plans with them, fits its GPUs, and would not without them (memory is what they buy)."""
+    rows = [r for r in pub.load() if r.model == "DeepSeekV3"]
+    for row in rows:
+        cfg = _cfg(row)
+        assert cfg.train.recompute == "selective" and tuple(cfg.train.recompute_modules) == pub.RUNS[(row.system, row.model)].recompute
+        assert [v.rule_id for v in validate(cfg)] == [], row.label
+        assert estimate_memory(cfg).fits, row.label
+        assert not any("recompute" in note for note in pub.unmodelled(row)), row.label
+    plain = [estimate_memory(compose_recipe(pub.RECIPES[r.model], pub.overrides(r, 61)[0] + ["train.recompute=none",
+             "train.recompute_modules=[core_attn]"])).fits for r in rows]
+    assert not all(plain)
+
+
+def test_moe_rows_take_their_runs_dispatcher_and_overlap():
+    h100 = next(r for r in H100 if r.model == "Qwen3_235B_a22B")
+    cfg = _cfg(h100)
+    assert (cfg.parallel.moe_dispatcher, cfg.parallel.overlap_moe_expert_parallel_comm, cfg.parallel.delay_wgrad_compute) == (
+        "alltoall", True, True)
+    b200 = next(r for r in pub.load() if r.model == "DeepSeekV3" and r.system == "DGX-B200")
+    assert (_cfg(b200).parallel.moe_flex_backend, _cfg(b200).parallel.overlap_moe_expert_parallel_comm) == ("deepep", True)
+    qwen30 = next(r for r in H100 if r.model == "Qwen3_30B_a3B")
+    assert (_cfg(qwen30).parallel.moe_dispatcher, _cfg(qwen30).parallel.overlap_moe_expert_parallel_comm) == ("flex", False)
+
+
+def test_qwen3_235b_h100_run_hides_its_all_to_all():
+    """The published H100 run overlaps its EP all-to-all (32 ranks over 4 nodes): the other micro-batch's
+    computation hides part of its transfers, and the plan without the overlap is slower."""
+    row = next(r for r in H100 if r.model == "Qwen3_235B_a22B")
+    st = estimate_step_time(_cfg(row))
+    assert 0 < st.ep_hidden < st.ep_transfer and st.ep < st.ep_blocking
+    off = estimate_step_time(compose_recipe(pub.RECIPES[row.model], pub.overrides(row, 94)[0] + [
+        "parallel.overlap_moe_expert_parallel_comm=false", "parallel.delay_wgrad_compute=false"]))
+    assert off.tokens_per_s_per_gpu < st.tokens_per_s_per_gpu
 
 
 @pytest.mark.parametrize("row", H100, ids=lambda r: r.label)

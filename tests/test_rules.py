@@ -44,6 +44,14 @@ H100_DEEP_EP = Machine(cuda=True, transformer_engine=True, deep_ep=True, compute
 A100 = Machine(cuda=True, transformer_engine=True, deep_ep=False, compute_capability=(8, 0))
 B200 = Machine(cuda=True, transformer_engine=True, deep_ep=False, compute_capability=(10, 0))
 PACKED = ("data.kind=sft", "data.sft_path=builtin", "data.packing=true", PT)
+# EP communication overlap on the tiny MoE: EP2 over 2 ranks, bf16; and over PP2 x VPP2 (4 ranks)
+OV = ("model=tiny_moe", "parallel=none", "parallel.ep=2", "precision=bf16", "parallel.overlap_moe_expert_parallel_comm=true")
+OV_PP = ("parallel.pp=2", "cluster.gpus_per_node=4", "cluster.nvlink_domain=4", "train.micro_batch_size=1")
+OV_VPP = (*OV_PP, "parallel.vpp=2")
+DELAY = ("parallel.overlap_moe_expert_parallel_comm=true", "parallel.delay_wgrad_compute=true")
+SEL = "train.recompute=selective"  # with train.recompute_modules
+H100_TE29 = Machine(cuda=True, transformer_engine=True, deep_ep=False, compute_capability=(9, 0), te_version=(2, 9))
+H100_TE27 = Machine(cuda=True, transformer_engine=True, deep_ep=False, compute_capability=(9, 0), te_version=(2, 7))
 
 Case = tuple  # recipe, failing overrides, passing overrides[, (machine failing, machine passing)]
 
@@ -94,6 +102,7 @@ CASES: Dict[str, Case] = {
     "mla.rope": (DSV3, ("model.position_embedding_type=none",), ()),
     "mla.no_qkv_bias": (DSV3, ("model.add_qkv_bias=true",), ()),
     "mla.latent_norms": (DSV3, ("model.qk_layernorm=false",), ()),
+    "model.mtp_loss_scaling_factor": (DSV3, ("model.mtp_loss_scaling_factor=-0.3",), ("model.mtp_loss_scaling_factor=0.1",)),
     "moe.ep_needs_experts": (TINY, ("parallel.tp=1", "parallel.ep=2"), MOE + ("parallel.ep=2",)),
     "moe.settings_need_experts": (TINY, ("model.moe_ffn_hidden_size=256",), MOE),
     "moe.experts_divisible_by_ep": (MIX, ("parallel.ep=16",), ()),
@@ -108,6 +117,9 @@ CASES: Dict[str, Case] = {
         MOE + ("model.moe_router_enable_expert_bias=true",),
         MOE + ("model.moe_router_enable_expert_bias=true", "model.moe_router_score_function=sigmoid"),
     ),
+    "moe.global_aux_loss_layout": (TINY, MOE + ("model.moe_router_load_balancing_type=global_aux_loss",),  # DP=2
+                                   MOE + ("model.moe_router_load_balancing_type=global_aux_loss", "parallel.tp=2",
+                                          "parallel.sp=true")),  # DP=1
     "moe.first_dense_layers": (TINY, MOE + ("model.moe_first_dense_layers=4",), MOE + ("model.moe_first_dense_layers=1",)),
     "moe.tp_needs_sp": (TINY, MOE + ("parallel.tp=2",), MOE + ("parallel.tp=2", "parallel.sp=true")),
     "etp.expert_ffn": (TINY, MOE + ("parallel.etp=3", "cluster.gpus_per_node=3", "train.global_batch_size=24"), MOE + ("parallel.etp=2",)),
@@ -122,6 +134,18 @@ CASES: Dict[str, Case] = {
     "moe.allgather_vs_ep": (DSV3, ("parallel.moe_dispatcher=allgather",), ()),
     "ep.nvlink_domain": (DSV3, ("parallel.allow_inter_node_ep=false",), ()),
     "etp.nvlink_domain": (MIX, ("parallel.etp=16", "parallel.ep=1"), ("parallel.etp=2", "parallel.ep=4")),
+    "ep_overlap.needs_ep": (TINY, OV[:2] + OV[3:], OV),
+    "ep_overlap.dispatcher": (TINY, OV + ("parallel.moe_dispatcher=allgather",), OV + ("parallel.moe_dispatcher=alltoall",)),
+    "ep_overlap.precision": (TINY, OV[:3] + OV[4:], OV),
+    "ep_overlap.no_full_recompute": (TINY, OV + ("train.recompute=full",), OV + ("train.recompute=selective",)),
+    "ep_overlap.pipeline_needs_vpp": (TINY, OV + OV_PP, OV + OV_VPP),
+    "ep_overlap.mtp": (TINY, OV + ("model.mtp_num_layers=1",), OV + OV_VPP + ("model.mtp_num_layers=1",)),
+    "ep_overlap.fsdp": (TINY, OV + ("parallel.fsdp=true",), OV),
+    "ep_overlap.activation_offload": (TINY, OV + ("train.activation_offload_layers=1",), OV),
+    "ep_overlap.delay_wgrad_needs_overlap": (TINY, OV[:4] + ("parallel.delay_wgrad_compute=true",), OV + ("parallel.delay_wgrad_compute=true",)),
+    "ep_overlap.device_connections": (
+        MIX, (DELAY[0], "+cluster.env.CUDA_DEVICE_MAX_CONNECTIONS='1'"), (DELAY[0], "+cluster.env.CUDA_DEVICE_MAX_CONNECTIONS='32'"),
+    ),
     "cluster.gpu_arch": (TINY, ("cluster.gpu_arch=volta",), ()),
     "cluster.memory": (TINY, ("cluster.gpu_memory_gb=0",), ("cluster.gpu_memory_gb=4",)),
     "precision.values": (TINY, ("precision.params_dtype=fp64",), ("precision=bf16",)),
@@ -134,6 +158,12 @@ CASES: Dict[str, Case] = {
     "precision.fp8_gemm_shapes": (L70, ("precision=fp8_delayed", "model.ffn_hidden_size=28680"), ("precision=fp8_tensorwise",)),
     "recompute.values": (TINY, ("train.recompute=partial",), ("train.recompute=selective",)),
     "recompute.num_layers": (TINY, ("train.recompute=full", "train.recompute_num_layers=5"), ("train.recompute=full", "train.recompute_num_layers=4")),
+    "recompute.modules_values": (TINY, (SEL, "train.recompute_modules=[attention]"), (SEL, "train.recompute_modules=[core_attn,mlp]")),
+    "recompute.modules_need_selective": (TINY, ("train.recompute_modules=[mlp]",), (SEL, "train.recompute_modules=[mlp]")),
+    "recompute.modules_in_model": (TINY, (SEL, "train.recompute_modules=[mla_up_proj]"), (SEL, "train.recompute_modules=[layernorm]")),
+    "recompute.fp8_delayed": (MIX, ("precision=fp8_delayed", SEL, "train.recompute_modules=[moe_act]"),
+                              ("precision=fp8_tensorwise", SEL, "train.recompute_modules=[moe_act]")),
+    "recompute.moe_with_ep_overlap": (TINY, OV + (SEL, "train.recompute_modules=[moe]"), OV + (SEL, "train.recompute_modules=[layernorm]")),
     "batch.positive": (TINY, ("train.train_iters=-1",), ("train.train_iters=0",)),
     "train.seed_run": (TINY, ("train.train_iters=0", "checkpoint.pretrained=base_ckpt"), ("train.train_iters=0",)),
     "batch.global_divisible": (TINY, ("train.global_batch_size=12",), ("train.global_batch_size=24",)),
@@ -240,6 +270,10 @@ CASES: Dict[str, Case] = {
     "machine.fp16_needs_gpu": (TINY, ("precision.params_dtype=fp16",), ("precision.params_dtype=fp16",), (CPU, H100)),
     "machine.fp8_compute_capability": (L70, ("precision=fp8_delayed",), ("precision=fp8_delayed",), (A100, H100)),
     "machine.blackwell": (L70, ("precision=nvfp4",) + GB200, ("precision=nvfp4",) + GB200, (H100, B200)),
+    # MIX overlaps gradient reduction: deferred weight gradients need TE 2.8 there (2.7 reduces too early)
+    "machine.delay_wgrad_needs_te": (MIX, DELAY, DELAY, (H100_TE27, H100_TE29)),
+    "machine.recompute_modules_need_te": (MIX, (SEL, "train.recompute_modules=[moe_act]"), (SEL, "train.recompute_modules=[moe_act]"),
+                                          (H100_NO_TE, H100)),
     "memory.fits": (L70, ("parallel.tp=1", "parallel.pp=1", "parallel.vpp=null", "parallel.cp=1", "parallel.sp=false"), ()),
 }
 
@@ -337,3 +371,10 @@ def test_pp_layer_split_with_embedding_and_loss_counted():
     both = compose_recipe(TINY, list(PP2 + counted + ("parallel.num_layers_in_first_pipeline_stage=3",)))
     msg = next(v.message for v in validate(both) if v.rule_id == "pp.layer_split")
     assert "cannot be combined" in msg
+
+
+def test_a_pipeline_layout_does_not_switch_off_the_rules_that_need_the_layer_split():
+    """Rules that need a valid layer split (memory.fits among them) judge a recipe with parallel.pipeline_layout
+    by its layout; they were skipped silently, so a layout that did not fit passed."""
+    assert "memory.fits" in _violations("deepseek_v3_pretrain", ("train.recompute=none",))
+    assert "memory.fits" not in _violations("deepseek_v3_pretrain", ())

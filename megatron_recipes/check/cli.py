@@ -35,6 +35,10 @@ OPTIMIZER = [
     "optimizer.lr_warmup_iters=0", "optimizer.lr_warmup_fraction=null", "optimizer.lr_decay_style=constant",
     "optimizer.lr_decay_iters=null",
 ]
+# The CPU lane trains in float32: the precision group and each of its fields, so that precision settings the
+# recipe makes on top of its group (precision.fp8_param_gather=true, say) cannot outlive the swap.
+FP32 = ["precision=fp32", "precision.params_dtype=fp32", "precision.fp8=null", "precision.fp8_param_gather=false",
+        "precision.fp4=null", "precision.grad_reduce_in_fp32=true"]
 QUIET = ["logging.log_interval=1", "logging.eval_interval=100000", "logging.eval_iters=0", "logging.plot=false",
          "logging.tensorboard=false", "logging.wandb_project=null"]
 # Inputs the check brings itself (its seed checkpoint and data): the input rules needing them are not judged.
@@ -141,10 +145,18 @@ def plan_runs(recipe: str, user: Sequence[str], max_ranks: int, steps: int, stop
     validate_or_raise(cfg, recipe, rules=select(provided=PROVIDES))  # the recipe as written, on its own cluster
     small = shrink(cfg, max_ranks, None if full_depth else LAYERS_PER_CHUNK, own_data=not _data(cfg))
     notes = list(small.notes)
-    env = ["cluster=local_cpu", "cluster.nodes=1", "precision=fp32", *_data(cfg), *OPTIMIZER, *QUIET,
+    env = ["cluster=local_cpu", "cluster.nodes=1", *FP32, *_data(cfg), *OPTIMIZER, *QUIET,
            "checkpoint.save_interval=100000", "train.exit_interval=null"]
     if cfg.precision.params_dtype != "fp32" or cfg.precision.fp8 or cfg.precision.fp4:
         notes.append(f"precision {cfg.precision.name} -> fp32: the CPU lane trains in float32 (bf16 and FP8 are GPU-side)")
+    p = cfg.parallel
+    if p.overlap_moe_expert_parallel_comm or p.delay_wgrad_compute:
+        # megatron-core's combined 1F1B schedule overlaps bf16/fp16 models only, and the one-rank reference has no
+        # EP to overlap: both runs take the plain schedule, whose numbers the overlapped one reproduces
+        env += ["parallel.overlap_moe_expert_parallel_comm=false", "parallel.delay_wgrad_compute=false"]
+        notes.append("EP communication overlap -> off: megatron-core overlaps bf16/fp16 models only and the check "
+                     "trains in fp32 (deferred weight gradients also need Transformer Engine); the overlapped schedule "
+                     "trains like the plain one on the CPU lane (tests/test_ep_overlap.py: bf16, EP2, PP2 x VPP2)")
     if _data(cfg):
         was = "" if cfg.data.kind == "mock" else f"data {cfg.data.kind} -> "
         notes.append(f"{was}mock tokens (megatron-core's MockGPTDataset): the layout, not the data, is checked")
@@ -259,7 +271,8 @@ def _check(args, recipe_cfg: RunConfig) -> int:
                     code = runs.RECIPE_ERROR if result.returncode == runs.RECIPE_ERROR else 1
                     print(f"verdict: {'RECIPE ERROR' if code == 2 else 'FAILED'}: the {name} run exited with {result.returncode}", file=sys.stderr)
                     return code
-    return _report(results, steps, stop, rtol, small, layout_cfg.parallel.vpp, _cp_scope(cfg, layout_cfg))
+    return _report(results, steps, stop, rtol, small, layout_cfg.parallel.vpp, _cp_scope(cfg, layout_cfg),
+                   layout_cfg.model.mtp_num_layers)
 
 
 def _cp_scope(cfg: RunConfig, layout_cfg: RunConfig) -> str:
@@ -278,27 +291,34 @@ def _pick(values: dict, steps: range) -> List[float]:
     return [values[s] for s in steps if s in values]
 
 
-def _reshard_series(results, steps: int, stop: int) -> List[compare.Series]:
+def _metrics(mtp_layers: Optional[int]) -> List[str]:
+    """What both runs are judged by: the loss, each multi-token-prediction layer's loss, the gradient norm."""
+    return ["loss", *(f"mtp_{k}_loss" for k in range(1, (mtp_layers or 0) + 1)), "grad_norm"]
+
+
+def _reshard_series(results, steps: int, stop: int, metrics: List[str]) -> List[compare.Series]:
     """Steps stop+1..steps of the resharded run next to the one-rank run's (or its reloaded weights')."""
     resh = results["reshard"]
     if "reweights" in results:  # both runs count their steps from 1 again
         logged, ref = range(1, steps - stop + 1), results["reweights"]
     else:
         logged, ref = range(stop + 1, steps + 1), results["reference"]
-    return [compare.Series(k, _pick(resh.series(k), logged), _pick(ref.series(k), logged), stop + 1) for k in ("loss", "grad_norm")]
+    return [compare.Series(k, _pick(resh.series(k), logged), _pick(ref.series(k), logged), stop + 1) for k in metrics]
 
 
-def _report(results, steps: int, stop: int, rtol: float, small: Shrunk, vpp: Optional[int], cp_scope: str = "") -> int:
+def _report(results, steps: int, stop: int, rtol: float, small: Shrunk, vpp: Optional[int], cp_scope: str = "",
+            mtp_layers: Optional[int] = None) -> int:
     """Tables, then the verdict; the layout's logged steps are judged even when its run then failed."""
     ref, lay = results["reference"], results["layout"]
     trained = range(1, stop + 1)
-    main_series = [compare.Series(k, _pick(lay.series(k), trained), _pick(ref.series(k), trained)) for k in ("loss", "grad_norm")]
+    metrics = _metrics(mtp_layers)
+    main_series = [compare.Series(k, _pick(lay.series(k), trained), _pick(ref.series(k), trained)) for k in metrics]
     print("\nlayout vs one rank, from the same seed checkpoint:")
     print(compare.table(main_series, "layout", "1-rank"))
     first = compare.judge(main_series, rtol)
     verdicts = [("the layout's training", first)]
     if "reshard" in results:
-        resh_series = _reshard_series(results, steps, stop)
+        resh_series = _reshard_series(results, steps, stop, metrics)
         if "reweights" in results:
             print(f"\nthe layout's step-{stop} weights vs the one-rank run's, each loaded on one rank (fresh optimizer, same batches):")
         else:

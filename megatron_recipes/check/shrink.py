@@ -258,6 +258,14 @@ def shrink(cfg: RunConfig, max_ranks: int = 8, max_layers_per_chunk: Optional[in
         common.update(offload)
         notes.append(f"{', '.join(f'{k} -> {_fmt(v)}' for k, v in offload.items())}: offloading to host memory "
                      "moves where tensors live, not the training math; the CPU lane has no device memory to offload from")
+    t = cfg.train
+    if t.recompute == "selective" and "moe_act" in t.recompute_modules:
+        # megatron-core recomputes the expert activation only in grouped experts (TE's here); recompute changes what
+        # a layer keeps for backward, not what it computes (the lane's modules: tests/test_recompute.py)
+        kept = [name for name in t.recompute_modules if name != "moe_act"]
+        common.update({"train.recompute": "selective" if kept else "none", "train.recompute_modules": kept or ["core_attn"]})
+        notes.append("moe_act recompute -> off: it runs in Transformer Engine's grouped experts only; recomputing "
+                     "changes which activations are kept, not the numbers")
     layout = dict(common)
     layout.update({"parallel.tp": d.tp, "parallel.pp": d.pp, "parallel.cp": d.cp, "parallel.ep": d.ep,
                    "parallel.etp": d.etp if p.etp is not None else None,

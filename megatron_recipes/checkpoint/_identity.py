@@ -25,7 +25,8 @@ CONFIG_NAME = "config.yaml"  # _files.CONFIG (_files imports nothing from here)
 _LABELS = {"name", "family"}
 # Settings that shape training or initialisation but not the weights a checkpoint holds.
 # (make_vocab_size_divisible_by matters only through the padded row count, checked with the layout.)
-_NOT_WEIGHTS = {"init_method_std", "moe_aux_loss_coeff", "moe_router_load_balancing_type", "make_vocab_size_divisible_by"}
+_NOT_WEIGHTS = {"init_method_std", "moe_aux_loss_coeff", "moe_router_load_balancing_type",
+                "make_vocab_size_divisible_by", "mtp_loss_scaling_factor"}
 # The layout fields whose change needs tensors resharded (DP alone only moves optimizer shards).
 MODEL_PARALLEL_FIELDS = (
     "tp",
@@ -104,12 +105,17 @@ def differences(saved: Dict[str, Any], current: Dict[str, Any], prefix: str = "m
     return out
 
 
-def check_same_model(meta: Dict[str, Any], cfg: RunConfig, path: Any) -> None:
-    """RecipeError naming every differing architecture field, before any tensor is touched."""
+def check_same_model(meta: Dict[str, Any], cfg: RunConfig, path: Any, weights_only: bool = False) -> None:
+    """RecipeError naming every differing architecture field, before any tensor is touched.
+
+    ``weights_only``: a model built without multi-token-prediction layers (a training head: generation and
+    logits need none) may load the weights of the same model trained with them; theirs stay unread."""
     saved = meta.get("fingerprint")
     if not isinstance(saved, dict):
         raise RecipeError(f"checkpoint '{path}' has no model fingerprint in its meta.json", fix="use an intact checkpoint")
     diffs = differences(saved, model_fingerprint(cfg))
+    if weights_only and unread_mtp_layers(meta, cfg):
+        diffs = [d for d in diffs if not d.startswith("model.mtp_num_layers:")]
     if diffs:
         raise RecipeError(
             f"checkpoint '{path}' holds a different model than the recipe ({len(diffs)} field(s) differ):\n    "
@@ -118,6 +124,12 @@ def check_same_model(meta: Dict[str, Any], cfg: RunConfig, path: Any) -> None:
             f"(its resolved recipe is {path}/config.yaml)",
         )
     _check_padded_vocab(meta.get("layout") or {}, cfg, path)
+
+
+def unread_mtp_layers(meta: Dict[str, Any], cfg: RunConfig) -> int:
+    """MTP layers the checkpoint holds and a model built without them leaves unread."""
+    saved = (meta.get("fingerprint") or {}).get("mtp_num_layers") or 0
+    return int(saved) if not cfg.model.mtp_num_layers else 0
 
 
 def _check_padded_vocab(saved: Dict[str, Any], cfg: RunConfig, path: Any) -> None:

@@ -437,10 +437,14 @@ def load_weights(path: Path, model_chunks: List[torch.nn.Module], cfg: RunConfig
     ckpt = _resolve_everywhere(path)
     meta = store.read_meta(ckpt)
     store.require_readable_here(ckpt, meta)
-    identity.check_same_model(meta, cfg, ckpt)
+    identity.check_same_model(meta, cfg, ckpt, weights_only=True)
     checksums.verify(ckpt, meta)
     if meta.get("source"):
         _say_foreign(ckpt, meta)
+    unread = identity.unread_mtp_layers(meta, cfg)
+    if unread and torch.distributed.get_rank() == 0:
+        print(f"checkpoint '{ckpt}': its {unread} multi-token-prediction layer(s) are not loaded (model.mtp_num_layers "
+              "is null here)", flush=True)
     if fsdp_ckpt.is_fsdp(model_chunks) or fsdp_ckpt.is_fsdp_checkpoint(meta):  # [FSDP hook]
         fsdp_ckpt.load_weights(ckpt, meta, model_chunks, _runtime_layout(cfg), _trust(cfg))
         return

@@ -21,6 +21,9 @@ POSITION_TYPES = ("rope", "learned_absolute", "none")
 ROPE_SCALING_TYPES = ("llama3", "yarn")
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
+# train.recompute_modules (with train.recompute=selective): megatron-core's recompute_modules, 0.16 to 0.19
+# (0.19's gdn_norm_out recomputes a GatedDeltaNet norm, which no family here has); runtime/mcore_compat.py
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 OPTIMIZERS = ("adam", "sgd")
 DECAY_STYLES = ("cosine", "linear", "constant")
 LAUNCHERS = ("torchrun", "pmix")
@@ -100,6 +103,9 @@ class ModelConfig:
     qk_pos_emb_head_dim: Optional[int] = None
     v_head_dim: Optional[int] = None
     mtp_num_layers: Optional[int] = None
+    # weight of the multi-token-prediction loss beside the main one (megatron-core's mtp_loss_scaling_factor,
+    # its default 0.1; split evenly over the MTP layers). A training setting, not part of the weights.
+    mtp_loss_scaling_factor: float = 0.1
 
 
 @dataclass
@@ -117,6 +123,10 @@ class ParallelConfig:
     cp_hierarchical_sizes: Optional[List[int]] = None  # a2a+p2p only: CP group levels, product = cp (a2a on the first)
     moe_dispatcher: str = "alltoall"  # allgather | alltoall | flex
     moe_flex_backend: str = "deepep"  # deepep | hybridep (only with moe_dispatcher=flex)
+    # hide the expert-parallel all-to-all behind another micro-batch's computation (megatron-core's
+    # overlap_moe_expert_parallel_comm, the combined 1F1B schedule) and defer weight gradients to fill it
+    overlap_moe_expert_parallel_comm: bool = False
+    delay_wgrad_compute: bool = False
     num_layers_in_first_pipeline_stage: Optional[int] = None
     num_layers_in_last_pipeline_stage: Optional[int] = None
     # count the embedding / the loss as one layer each when splitting the pipeline (megatron-core's
@@ -298,6 +308,9 @@ class TrainConfig:
     recompute: str = "none"  # none | selective | full
     recompute_method: str = "uniform"  # uniform | block (with recompute=full)
     recompute_num_layers: int = 1
+    # with recompute=selective: the submodules whose activations are dropped and rebuilt in backward
+    # (megatron-core's recompute_modules, schema.RECOMPUTE_MODULES; its default: core attention alone)
+    recompute_modules: List[str] = field(default_factory=lambda: ["core_attn"])
     exit_on_nan: bool = True
     # Layer-level activation offloading to host memory (megatron-core ``cpu_offloading``, Transformer
     # Engine only): activations of this many transformer layers per stage go to the host. 0 = off.

@@ -116,15 +116,19 @@ def plan_steps(source: SourceModel, lay: Layout) -> List[Step]:
 
 
 def check_sources(source: SourceModel, steps: List[Step], reader: SafetensorsReader) -> None:
-    """Every HF tensor the model needs is present with the shape config.json implies; nothing is left over."""
+    """Every HF tensor the model needs is present with the shape config.json implies, with the values its
+    transform requires; nothing is left over."""
     needed: Dict[str, Tuple[Tuple[int, ...], str]] = {}
+    optional = set()
     for step in steps:
         for name, shape in step.transform.hf_shapes(step.item.shape, step.ctx).items():
             needed[name] = (tuple(shape), step.item.label)
+        optional.update(step.transform.optional_on_import(step.ctx))
     problems: List[str] = []
     for name, (shape, label) in needed.items():
         if name not in reader:
-            problems.append(f"missing tensor {name} (megatron {label})")
+            if name not in optional:
+                problems.append(f"missing tensor {name} (megatron {label})")
             continue
         info = reader.info(name)
         if info.shape != shape:
@@ -138,6 +142,9 @@ def check_sources(source: SourceModel, steps: List[Step], reader: SafetensorsRea
     extra = sorted(n for n in reader.tensors if n not in needed and not any(re.fullmatch(p, n) for p in ignored))
     if extra:
         problems.append(f"{len(extra)} tensor(s) have no place in the {source.family.name} model, e.g. {', '.join(extra[:5])}")
+    if not problems:  # names and shapes hold: what the transforms require of the values (e.g. shared copies)
+        for step in steps:
+            problems += step.transform.check(reader, step.ctx)
     if problems:
         shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
         raise RecipeError(

@@ -11,7 +11,9 @@ run used). Then:
 * adapter only: ``adapter_config.json`` + ``adapter_model.safetensors`` with HF PEFT's key names on the
   HF model. Fused adapters are split with the family's own transforms: the fused QKV ``B`` (rows in
   megatron's per-query-group order) into q/k/v ``lora_B``, gated FC1's ``B`` into gate/up, each with the
-  shared ``A`` as its ``lora_A``; DoRA magnitudes split like ``B``.
+  shared ``A`` as its ``lora_A``; DoRA magnitudes split like ``B``. On MoE models, routed experts (and MLP
+  linears named like them) go where ``peft_experts`` says: HF PEFT's exact per-expert LoRA on transformers 5's
+  fused expert parameters (``target_parameters``).
 
 Memory: one copy of the model in this process (like training it at TP=1), plus one tensor at a time.
 """
@@ -34,7 +36,7 @@ from megatron_recipes.config import peft_methods as methods
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.config.schema import ParallelConfig, PeftConfig, RunConfig
 from megatron_recipes import families
-from megatron_recipes.convert import staging
+from megatron_recipes.convert import peft_experts, staging
 from megatron_recipes.convert.exporter import DEFAULT_MAX_SHARD, find_assets, hf_config_for, run_export
 from megatron_recipes.convert.layout import with_parallel
 from megatron_recipes.convert.run_assets import RunAssets, RunTokenizer
@@ -59,6 +61,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"experts\.local_experts\.(\d+)\.")
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -69,10 +72,12 @@ class PeftExportReport:
     tensors: int
     target_modules: List[str]
     run_assets: Optional[RunAssets] = None
+    notes: List[str] = dataclasses.field(default_factory=list)
 
     def summary(self) -> str:
         what = "HF PEFT LoRA adapter" if self.kind == "adapter" else "merged HF model"
         line = f"wrote a {what} to {self.out_dir} ({self.tensors} tensors; modules: {', '.join(self.target_modules)})"
+        line += "".join(f"\nnote: {note}" for note in self.notes)
         return line + (f"\n{self.run_assets.summary()}" if self.run_assets is not None else "")
 
 
@@ -118,30 +123,34 @@ def load_trained(ckpt: Path):
     return cfg, chunks, meta
 
 
-def _family_key(path: str) -> Tuple[str, int]:
-    """Module path -> (the conversion table's canonical weight key, local layer index)."""
+def _family_key(path: str) -> Tuple[str, int, Optional[int]]:
+    """Module path -> (the conversion table's canonical weight key, local layer index, routed expert or None)."""
     match = _LAYER.match(path)
-    if not match or ".experts.local_experts." in path:
-        raise RecipeError(
-            f"adapter on {path} has no HF PEFT equivalent (HF PEFT adapts per-projection linears of the layers)",
-            fix="export the merged model instead (drop adapter_only=true), or leave expert linears out of peft.target_modules",
-        )
-    return f"decoder.layers.{match.group(2)}.weight", int(match.group(1))
+    if not match:
+        raise RecipeError(f"adapter on {path} is outside the transformer layers", fix="this is a bug: report it")
+    rest, expert = match.group(2), _EXPERT.search(match.group(2))
+    if expert:  # one process at EP=1 (load_trained): the local index is the global one
+        rest = _EXPERT.sub("experts.experts.", rest, count=1)
+    return f"decoder.layers.{rest}.weight", int(match.group(1)), int(expert.group(1)) if expert else None
 
 
-def adapter_tensors(cfg: RunConfig, chunk: torch.nn.Module, flags: Dict, dtype: Optional[torch.dtype]):
-    """HF PEFT state dict (name -> tensor) and the HF module leaf names adapted, from a TP=1 chunk."""
+def adapter_tensors(cfg: RunConfig, chunk: torch.nn.Module, flags: Dict, dtype: Optional[torch.dtype], hf_config=None):
+    """HF PEFT state dict (name -> tensor) and its targets (``peft_experts.Placement``), from a TP=EP=1 chunk."""
     family = families.by_name(cfg.model.family)
-    tensors: Dict[str, torch.Tensor] = {}
-    leaves = set()
+    linears: Dict[str, Dict[str, torch.Tensor]] = {}  # HF checkpoint module name -> its adapter tensors
+    routed: Dict[str, Dict[int, peft_experts.ExpertLoRA]] = {}  # layer's expert linear -> expert -> adapter
     for path, module in chunk.named_modules():
         if not isinstance(module, LoRALinear):
             continue
-        key, local = _family_key(path)
+        key, local, expert = _family_key(path)
         layer = int(chunk.decoder.layers[local].layer_number) - 1
-        ctx = Ctx(cfg.model, layer, None, flags)
+        ctx = Ctx(cfg.model, layer, expert, flags)
         transform = family.transform(key)
         a = module.lora_a.detach()
+        if expert is not None:
+            rows = {name: torch.cat(list(p), dim=0) for name, p in transform.pieces(module.lora_b.detach(), ctx).items()}
+            routed.setdefault(f"{key} (layer {layer})", {})[expert] = peft_experts.ExpertLoRA(rows, a)
+            continue
         parts = {"lora_B.weight": module.lora_b.detach()}
         if module.dora:
             parts["lora_magnitude_vector"] = module.magnitude.detach()
@@ -149,18 +158,18 @@ def adapter_tensors(cfg: RunConfig, chunk: torch.nn.Module, flags: Dict, dtype: 
         for hf_name in split["lora_B.weight"]:
             if not hf_name.endswith(".weight"):
                 raise RecipeError(f"conversion table maps {key} to {hf_name}, not a linear weight", fix="report this mapping")
-            module_name = hf_name[: -len(".weight")]
-            leaves.add(module_name.rsplit(".", 1)[-1])
-            tensors[f"{PEFT_PREFIX}{module_name}.lora_A.weight"] = a
+            entry = linears.setdefault(hf_name[: -len(".weight")], {"lora_A.weight": a})
             for suffix, pieces in split.items():
-                tensors[f"{PEFT_PREFIX}{module_name}.{suffix}"] = torch.cat(list(pieces[hf_name]), dim=0)
+                entry[suffix] = torch.cat(list(pieces[hf_name]), dim=0)
+    placement = peft_experts.place(cfg, hf_config, flags, linears, routed)
+    tensors = {f"{PEFT_PREFIX}{name}": t for name, t in placement.tensors.items()}
     saved = saved_modules(cfg, chunk, flags)
     tensors.update({f"{PEFT_PREFIX}{name}": t for name, t in saved.items()})
     out = {}
     for name, t in tensors.items():
         t = t.to(dtype) if dtype is not None else t
         out[name] = t.contiguous().clone()
-    return out, sorted(leaves)
+    return out, placement
 
 
 def saved_modules(cfg: RunConfig, chunk: torch.nn.Module, flags: Dict) -> Dict[str, torch.Tensor]:
@@ -190,14 +199,16 @@ def hf_module_names(cfg: RunConfig, flags: Dict) -> List[str]:
     return names
 
 
-def adapter_config(p: PeftConfig, targets: List[str], base: Optional[str], dora: bool, saved: Optional[List[str]] = None) -> Dict:
-    return {
+def adapter_config(p: PeftConfig, targets: List[str], base: Optional[str], dora: bool,
+                   saved: Optional[List[str]] = None, parameters: Optional[List[str]] = None) -> Dict:
+    """HF PEFT's LoraConfig fields; ``parameters``: ``target_parameters`` (whose LoRA has no dropout)."""
+    config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base,
         "r": p.rank,
         "lora_alpha": p.alpha,
-        "lora_dropout": p.dropout,
+        "lora_dropout": 0.0 if parameters else p.dropout,
         "target_modules": targets,
         "bias": "none",
         "use_dora": dora,
@@ -210,13 +221,17 @@ def adapter_config(p: PeftConfig, targets: List[str], base: Optional[str], dora:
         "rank_pattern": {},
         "alpha_pattern": {},
     }
+    if parameters:  # only then: HF PEFT before target_parameters existed reads the rest as before
+        config["target_parameters"] = list(parameters)
+    return config
 
 
-def _hf_flags(cfg: RunConfig, resolved: Path, hf_assets: Optional[Path]) -> Tuple[Dict, Optional[Path]]:
+def _hf_side(cfg: RunConfig, resolved: Path, hf_assets: Optional[Path]):
+    """``(family flags, assets folder, HF config)`` of the export."""
     family = families.by_name(cfg.model.family)
     assets = find_assets(resolved, cfg, hf_assets)
     hf_config = hf_config_for(cfg, family, assets, torch.float32)
-    return dict(family.flags_from_hf(hf_config)), assets
+    return dict(family.flags_from_hf(hf_config)), assets, hf_config
 
 
 def export_adapter(
@@ -233,22 +248,25 @@ def export_adapter(
         raise RecipeError(
             "P-Tuning v2 prefixes have no HF PEFT LoRA form", fix="adapter_only export covers lora, dora and qlora runs"
         )
-    flags, assets = _hf_flags(run_cfg, resolved, hf_assets)
+    flags, assets, hf_config = _hf_side(run_cfg, resolved, hf_assets)
+    notes = peft_experts.check_expressible(run_cfg, flags)  # what HF PEFT cannot hold is refused before loading
     run_tokenizer = RunTokenizer(run_cfg, resolved, meta, hf_assets)  # checked before anything is loaded
     try:
         cfg, chunks, _ = load_trained(resolved)
         if len(chunks) != 1:
             raise RecipeError("adapter export expects one model chunk", fix="this is a bug: report it")
-        tensors, leaves = adapter_tensors(cfg, chunks[0], flags, _DTYPES.get(dtype) if dtype else None)
+        tensors, placement = adapter_tensors(cfg, chunks[0], flags, _DTYPES.get(dtype) if dtype else None, hf_config)
     finally:
         shutdown()
     base = str(assets) if assets is not None else run_cfg.checkpoint.pretrained
-    config = adapter_config(cfg.peft, leaves, base, methods.parse(cfg.peft.method).dora, hf_module_names(cfg, flags))
+    dora = methods.parse(cfg.peft.method).dora
+    config = adapter_config(cfg.peft, placement.modules, base, dora, hf_module_names(cfg, flags), placement.parameters)
     with staging.atomic_dir(out_dir, staging.ADAPTER) as tmp:
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         extra = run_tokenizer.write(tmp, None)  # tokenizer + chat template, stops
-    return PeftExportReport(out_dir, "adapter", len(tensors), leaves + config_saved(config), extra)
+    targets = placement.described() + config_saved(config)
+    return PeftExportReport(out_dir, "adapter", len(tensors), targets, extra, notes)
 
 
 def export_merged(
@@ -265,7 +283,7 @@ def export_merged(
     staging.check_target(hf_dir, overwrite, "hf_dir", staging.HF_EXPORT, {"ckpt_dir": ckpt, "hf_assets": hf_assets})
     resolved, run_cfg, original_meta = checkpoint.read_run(ckpt)
     if hf_assets is None:
-        _, hf_assets = _hf_flags(run_cfg, resolved, None)
+        _, hf_assets, _ = _hf_side(run_cfg, resolved, None)
     run_tokenizer = RunTokenizer(run_cfg, resolved, original_meta, hf_assets)  # a wrong one is refused before the merge
     work = Path(tempfile.mkdtemp(prefix=".merged-", dir=str(hf_dir.parent if hf_dir.parent.exists() else Path.cwd())))
     try:

@@ -20,16 +20,17 @@ import torch
 
 from megatron_recipes import checkpoint
 from megatron_recipes.config.schema import ParallelConfig, RunConfig
-from megatron_recipes.families.family import LAYER
+from megatron_recipes.families.family import LAYER, MTP_LAYER
 
 _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")  # one key per MTP layer (never stacked)
 _EXPERTS = ".experts.experts."
 
 
 @dataclass(frozen=True)
 class Item:
     key: str  # dist-checkpoint key
-    canonical: str  # family-table key: ``decoder.layers.<name>`` without a layer number
+    canonical: str  # family-table key: ``decoder.layers.<name>`` / ``mtp.layers.<name>`` without a layer number
     global_shape: Tuple[int, ...]
     offset: Tuple[int, ...]  # where this item starts in the global tensor
     prepend: int  # leading index axes (layer, expert) of the global tensor
@@ -53,13 +54,16 @@ class Item:
         return f"{self.canonical}" + (f" ({', '.join(where)})" if where else "")
 
 
-def _describe(sh) -> Tuple[str, Optional[int], Optional[int], int]:
-    """canonical key, layer, expert and prepend count of one ShardedTensor."""
+def _describe(sh, num_layers: int) -> Tuple[str, Optional[int], Optional[int], int]:
+    """canonical key, layer, expert and prepend count of one ShardedTensor (an MTP layer's layer counts on after
+    the ``num_layers`` decoder layers: families/family.py)."""
     key, offset, prepend = sh.key, sh.global_offset, sh.prepend_axis_num
     layer = expert = None
     axis = 0
-    match = _PER_LAYER.match(key)
-    if match:
+    match, mtp = _PER_LAYER.match(key), _MTP_LAYER.match(key)
+    if mtp:
+        layer, canonical = num_layers + int(mtp.group(1)), MTP_LAYER + mtp.group(2)
+    elif match:
         layer, canonical = int(match.group(1)), LAYER + match.group(2)
     elif key.startswith(LAYER):
         canonical = key
@@ -121,7 +125,7 @@ def checkpoint_layout(cfg: RunConfig, state: Optional[Dict[str, object]] = None)
                 continue
             if not isinstance(sh, ShardedTensor):
                 continue
-            canonical, layer, expert, prepend = _describe(sh)
+            canonical, layer, expert, prepend = _describe(sh, meta.model.num_layers)
             index = tuple(sh.global_offset[:prepend])
             item = Item(
                 key=sh.key,

@@ -108,11 +108,16 @@ class Job:
     resave_root: Optional[str] = None  # save the loaded weights again at this layout (resharding checks)
 
 
-def checkpoint_config(ckpt: Path, parallel: ParallelConfig, world: int) -> RunConfig:
-    """The checkpoint's own recipe in float32 at ``parallel``, padding the vocabulary to its row count."""
+def checkpoint_config(ckpt: Path, parallel: ParallelConfig, world: int, mtp: bool = False) -> RunConfig:
+    """The checkpoint's own recipe in float32 at ``parallel``, padding the vocabulary to its row count.
+
+    Without its multi-token-prediction layers unless ``mtp``: logits and generation need none (DeepSeek-V3
+    drops them at inference), and megatron-core 0.16's GPTModel cannot run them without labels (it rolls
+    ``labels`` for their loss; 0.19 skips them when inferring). Their weights stay unread (load_weights)."""
     _, cfg, meta = checkpoint.read_run(ckpt)
+    model = stored_vocab_rows(cfg.model, meta, parallel.tp)
     cfg = dataclasses.replace(
-        cfg, model=stored_vocab_rows(cfg.model, meta, parallel.tp),
+        cfg, model=model if mtp else dataclasses.replace(model, mtp_num_layers=None),
         precision=dataclasses.replace(cfg.precision, name="fp32", params_dtype="fp32", fp8=None, fp4=None),
     )
     return layouts.with_parallel(cfg, parallel, world)
@@ -174,17 +179,25 @@ def rank_jobs(jobs: Sequence[Job], world: int) -> None:
     from megatron_recipes.runtime import collectives
     from megatron_recipes.runtime.distributed import init_model_parallel, shutdown
 
+    def loaded(job: Job, mtp: bool):
+        cfg = checkpoint_config(Path(job.ckpt), job.parallel, world, mtp=mtp)
+        init_model_parallel(cfg)  # groups of this model (its MTP placement shapes the embedding group)
+        chunks = build_model_chunks(cfg)
+        checkpoint.load_weights(Path(job.ckpt), chunks, cfg)
+        return cfg, chunks
+
     try:
         for job in jobs:
-            cfg = checkpoint_config(Path(job.ckpt), job.parallel, world)
-            init_model_parallel(cfg)
-            chunks = build_model_chunks(cfg)
-            checkpoint.load_weights(Path(job.ckpt), chunks, cfg)
+            cfg, chunks = None, None
+            if job.resave_root:  # every tensor, MTP layers included
+                cfg, chunks = loaded(job, mtp=True)
+                checkpoint.save(Path(job.resave_root), 0, chunks, None, None, {"step": 0}, cfg, keep_last=0)
+                collectives.barrier()
+            if chunks is None or cfg.model.mtp_num_layers:  # logits from the model without its MTP layers
+                cfg, chunks = loaded(job, mtp=False)
             logits = forward_logits(cfg, chunks, torch.load(job.tokens))
             if logits is not None and job.logits_out:
                 torch.save(logits, job.logits_out)
-            if job.resave_root:
-                checkpoint.save(Path(job.resave_root), 0, chunks, None, None, {"step": 0}, cfg, keep_last=0)
             collectives.barrier()
     finally:
         shutdown()

@@ -42,9 +42,12 @@ HBM_EFFICIENCY = 0.75  # assumed: achievable share of the HBM datasheet bandwidt
 
 # --- communication -------------------------------------------------------------------------------
 LINK_EFFICIENCY = 0.80  # assumed: NCCL bus bandwidth / link datasheet bandwidth for large collectives
-# calibrated (Qwen3-30B-A3B H100 row, 1.04x): achieved share of the link for MoE token dispatch. One MoE
-# row fixes it, so it also absorbs MoE kernel overheads the memory term misses; the Qwen3-235B-A22B H100
-# run (all-to-all overlapped with compute) suggests the link itself runs faster than this
+# calibrated (Qwen3-30B-A3B H100 row, 1.04x when fitted): achieved share of the link for a blocking MoE
+# token exchange. One MoE row fixes it, so besides the transfer it absorbs the time ranks wait for each other
+# at every exchange and MoE kernel overheads the memory term misses. Overlapped exchanges
+# (overlap_moe_expert_parallel_comm) put the transfer alone on the communication stream, at LINK_EFFICIENCY,
+# the other micro-batch's computation filling the waiting (moe_comm.py): the overlapped published runs
+# (Qwen3-235B-A22B H100, DeepSeek-V3 B200) could not reach their step times were their transfers this slow
 ALL_TO_ALL_EFFICIENCY = 0.25
 # assumed: share of TP all-gather/reduce-scatter time left exposed. The published recipes overlap TP
 # communication with GEMMs (Transformer Engine userbuffers, tp_comm_overlap); megatron-recipes' trainer
@@ -59,9 +62,14 @@ CP_ATTENTION_FACTOR = 0.5
 # overlap_p2p_comm, which the trainer enables with vpp on GPUs); without interleaving they are exposed
 PP_EXPOSED_INTERLEAVED = 0.0
 
+# --- CPU clusters (no peak given): nominal rates, for ranking layouts only ------------------------
+NOMINAL_TFLOPS = 1.0
+NOMINAL_BW_GBPS = 10.0
+
 # --- how far to trust the figure -----------------------------------------------------------------
-# calibrated: the largest |estimate / published - 1| over the H100 rows is 0.05; 0.15 leaves room for
-# layouts unlike the three calibration runs
+# calibrated: the largest |estimate / published - 1| over the three calibration rows was 0.05 when fitted
+# (0.08 now: Qwen3-30B-A3B's MoE activations no longer count a tensor megatron-core does not keep); 0.15
+# leaves room for layouts unlike them (the Qwen3-235B-A22B H100 row, a check, is at 0.13)
 CALIBRATED_SPREAD = 0.15
 UNCALIBRATED_FORMAT_SPREAD = 0.30  # assumed: a number format no H100 row calibrates (MXFP8, NVFP4, bf16)
 UNCALIBRATED_SYSTEM_SPREAD = 0.30  # assumed: a GPU generation other than Hopper

@@ -4,22 +4,30 @@ Per training step, on the slowest pipeline stage:
 
     step = (M + (pp - 1) / vpp) * (t_gemm + t_attn + t_mem + t_tp + t_cp + t_ep + t_pp) + t_dp + t_opt
 
-* ``t_gemm``: linear-layer FLOPs of one microbatch on the stage (top-k experts only; recompute adds its
-  forward again) at ``peak(format) x GEMM_EFFICIENCY[format] x size factor`` (``rates.py``); the output
-  layer and router run in bf16, the transformer layers' GEMMs in the recipe's format (bf16, FP8, FP4).
+* ``t_gemm``: linear-layer FLOPs of one microbatch on the stage (top-k experts only; full recompute adds the
+  layer's forward again, selective recompute its modules' forward: ``cost.recomputed_forward_parts``) at
+  ``peak(format) x GEMM_EFFICIENCY[format] x size factor`` (``rates.py``); the output layer and router run
+  in bf16, the transformer layers' GEMMs in the recipe's format (bf16, FP8, FP4).
+  An MTP layer counts as a layer like the last plus its ``2h -> h`` projection on its stage, and its own
+  logits on the last stage.
 * ``t_attn``: causal core attention, ``s/2 * heads * (d_qk + d_v) * 2`` FLOPs per token forward (half of
   the full square: flash attention skips masked tiles), in bf16 at ``ATTENTION_EFFICIENCY`` (times
   ``CP_ATTENTION_FACTOR`` under context parallelism).
 * ``t_mem``: memory-bound kernels (norms, RoPE, SwiGLU, casts, MoE permutation) as ``MEMORY_PASSES`` x
   the activation bytes the stage's layers save per microbatch without recompute (a third more when
-  full recompute runs their forward again), at the HBM bandwidth.
+  full recompute runs their forward again; with selective recompute the bytes it rebuilds once more), at
+  the HBM bandwidth.
 * ``t_tp``: with SP, 4 all-gathers/reduce-scatters forward and 4 backward per layer of the ``tokens x
-  hidden`` activation (6+6 where full recompute repeats the forward), ``TP_EXPOSED`` of it not hidden.
+  hidden`` activation (6+6 where full recompute repeats the forward; 2 more per recomputed dense MLP or
+  MoE layer), ``TP_EXPOSED`` of it not hidden. Recomputing whole MoE layers (``moe``) repeats their
+  forward dispatch and combine: ``t_ep`` x 1.5.
 * ``t_cp``: ``p2p``: each rank's K/V chunk moves ``cp - 1`` times forward and ``2 (cp - 1)`` backward,
   hidden behind the attention it overlaps with; ``all_gather``: the same volume as all-gather +
   reduce-scatter, exposed; ``a2a``: Q, K, V and the output re-sharded forward and backward, exposed.
 * ``t_ep``: per MoE layer, dispatch + combine forward and backward of ``k`` copies of each local token,
-  ``(ep - 1) / ep`` of them leaving the rank, at ``ALL_TO_ALL_EFFICIENCY`` of the slower link used.
+  ``(ep - 1) / ep`` of them leaving the rank, over the slower link used, blocking at
+  ``ALL_TO_ALL_EFFICIENCY``; with ``overlap_moe_expert_parallel_comm`` only what the other micro-batch's
+  computation does not hide (``moe_comm.py``: the combined 1F1B schedule, stream by stream).
 * ``t_pp``: activation send forward + gradient send backward per microbatch and model chunk, hidden
   under the interleaved schedule (``PP_EXPOSED_INTERLEAVED``).
 * ``t_dp``: reduce-scatter of gradients + all-gather of parameters (distributed optimizer) or an
@@ -37,13 +45,12 @@ from typing import Dict, List
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.schema import RunConfig
-from megatron_recipes.estimate import activations, cost, rates, schedule
-from megatron_recipes.estimate.cost import kind_forward_flops
+from megatron_recipes.estimate import activations, cost, moe_comm, rates, schedule
+from megatron_recipes.estimate.cost import kind_forward_parts
 from megatron_recipes.estimate.groups import build_group_map
 from megatron_recipes.estimate.params import stage_params
 
-NOMINAL_TFLOPS = 1.0  # CPU clusters: relative ranking only
-NOMINAL_BW_GBPS = 10.0
+NOMINAL_TFLOPS, NOMINAL_BW_GBPS = rates.NOMINAL_TFLOPS, rates.NOMINAL_BW_GBPS
 _ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 TERMS = ("gemm", "attention", "memory", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer")
 
@@ -66,6 +73,9 @@ class StepTime:
     peak_flops: float  # bf16 dense peak, the MFU denominator
     nominal: bool  # True when the cluster gave no peak (CPU): a relative figure
     tp_unoverlapped: float = 0.0  # TP time had nothing been overlapped (our trainer today)
+    ep_blocking: float = 0.0  # EP all-to-all per step as blocking exchanges (== ``ep`` without the overlap)
+    ep_transfer: float = 0.0  # overlapped: the EP transfers' own time per step on the links...
+    ep_hidden: float = 0.0  # ...and the part of it hidden behind the other micro-batch's computation
     spread: float = 0.0  # relative uncertainty of the throughput
     assumptions: List[str] = field(default_factory=list)
 
@@ -109,35 +119,82 @@ def _smallest_gemm_dim(cfg: RunConfig, moe: bool) -> float:
     return min(dims)
 
 
+def _layer_forward(cfg: RunConfig, moe: bool, peak_bf16: float, peak_fmt: float) -> tuple[float, float, float, float, float]:
+    """(attention GEMMs, core attention, attention-side memory, MLP GEMMs, MLP-side memory) seconds of one
+    microbatch's forward through one layer of a kind on one GPU; backward repeats each twice."""
+    m, t = cfg.model, cfg.train
+    tokens, width = t.micro_batch_size * t.seq_length, cfg.parallel.tp * cfg.parallel.cp
+    gemm_rate, attn_rate, per_byte = _rates(cfg, moe, peak_bf16, peak_fmt)
+    attn_mm, mlp_mm, core = kind_forward_parts(m, moe, t.seq_length)
+    layer_bytes = activations.kind_bytes(cfg, moe, "none")  # traffic of one forward
+    attn_bytes = activations.attention_bytes(cfg, activations.dims_of(cfg))
+    return (attn_mm * tokens / width / gemm_rate, core * tokens / width / attn_rate, attn_bytes * per_byte,
+            mlp_mm * tokens / width / gemm_rate, (layer_bytes - attn_bytes) * per_byte)
+
+
+def _rates(cfg: RunConfig, moe: bool, peak_bf16: float, peak_fmt: float) -> tuple[float, float, float]:
+    """(GEMM FLOP/s, core-attention FLOP/s, seconds per activation byte of one forward) of a layer kind."""
+    p = cfg.parallel
+    fmt = rates.gemm_format(cfg)
+    gemm_rate = peak_fmt * rates.GEMM_EFFICIENCY[fmt] * rates.gemm_size_factor(_smallest_gemm_dim(cfg, moe))
+    attn_rate = peak_bf16 * rates.ATTENTION_EFFICIENCY * (rates.CP_ATTENTION_FACTOR if p.cp > 1 else 1.0)
+    hbm = cfg.cluster.hbm_bw_gbps * 1e9 * rates.HBM_EFFICIENCY if cfg.cluster.hbm_bw_gbps > 0 else NOMINAL_BW_GBPS * 1e9
+    return gemm_rate, attn_rate, rates.MEMORY_PASSES / 3.0 / hbm  # the forward's third of the memory passes
+
+
+def _recomputed_forward(cfg: RunConfig, moe: bool, peak_bf16: float, peak_fmt: float) -> tuple[float, float, float]:
+    """(GEMM, core attention, memory) seconds of the forward selective recompute runs again in one layer's
+    backward: its modules' FLOPs (``cost.recomputed_forward_parts``) and the activations they rebuild, which
+    are what they dropped (``activations``), at the memory passes' rate."""
+    mods = activations.selected_modules(cfg)
+    if not mods:
+        return 0.0, 0.0, 0.0
+    t = cfg.train
+    tokens, width = t.micro_batch_size * t.seq_length, cfg.parallel.tp * cfg.parallel.cp
+    gemm_rate, attn_rate, per_byte = _rates(cfg, moe, peak_bf16, peak_fmt)
+    mm, core = cost.recomputed_forward_parts(cfg.model, moe, t.seq_length, mods)
+    rebuilt = activations.kind_bytes(cfg, moe, "none") - activations.kind_bytes(cfg, moe)
+    return mm * tokens / width / gemm_rate, core * tokens / width / attn_rate, rebuilt * per_byte
+
+
 def _stage_compute(cfg: RunConfig, pp_rank: int, peak_bf16: float, peak_fmt: float) -> tuple[float, float, float]:
     """(gemm, attention, memory) seconds for one microbatch through one stage on one GPU."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tokens = t.micro_batch_size * t.seq_length
     width = p.tp * p.cp
-    fmt = rates.gemm_format(cfg)
     kinds = (False, True) if derived.is_moe(m) else (False,)
-    gemm_rate = {moe: peak_fmt * rates.GEMM_EFFICIENCY[fmt] * rates.gemm_size_factor(_smallest_gemm_dim(cfg, moe)) for moe in kinds}
-    attn_rate = peak_bf16 * rates.ATTENTION_EFFICIENCY * (rates.CP_ATTENTION_FACTOR if p.cp > 1 else 1.0)
-    layer_bytes = {moe: activations.kind_bytes(cfg, moe, "none") for moe in kinds}  # traffic of one forward
-    gemm = attn = traffic = 0.0
+    fwd = {moe: _layer_forward(cfg, moe, peak_bf16, peak_fmt) for moe in kinds}
+    again = {moe: _recomputed_forward(cfg, moe, peak_bf16, peak_fmt) for moe in kinds}  # selective recompute
+    gemm = attn = memory = 0.0
     for chunk in derived.pipeline_stage_layers(cfg)[pp_rank]:
         recomputed = len(chunk)
         if t.recompute == "full" and t.recompute_method == "block":
             recomputed = min(len(chunk), max(1, t.recompute_num_layers))
         for j, i in enumerate(chunk):
-            moe = derived.is_moe_layer(m, i)
-            mm, core = kind_forward_flops(m, moe, t.seq_length)
+            a_mm, core, a_mem, m_mm, m_mem = fwd[derived.is_moe_layer(m, i)]
+            r_mm, r_core, r_mem = again[derived.is_moe_layer(m, i)]
             passes = 3.0 + (1.0 if t.recompute == "full" and j < recomputed else 0.0)
-            core_passes = passes + (1.0 if t.recompute == "selective" else 0.0)
-            gemm += passes * mm * tokens / width / gemm_rate[moe]
-            attn += core_passes * core * tokens / width / attn_rate
-            traffic += passes / 3.0 * layer_bytes[moe]
-    if pp_rank == max(1, p.pp) - 1:  # output layer, bf16
-        head = 3.0 * cost.logits_forward_flops(cfg) * tokens / width
+            gemm += passes * (a_mm + m_mm) + r_mm
+            attn += passes * core + r_core
+            memory += passes * (a_mem + m_mem) + r_mem
+    mtp = m.mtp_num_layers or 0
+    if mtp and pp_rank == derived.mtp_pipeline_rank(cfg):  # MTP: a layer like the last and the 2h -> h projection
+        a_mm, core, a_mem, m_mm, m_mem = fwd[derived.is_moe_layer(m, m.num_layers - 1)]
+        r_mm, r_core, r_mem = again[derived.is_moe_layer(m, m.num_layers - 1)]
+        proj = 2.0 * 2 * m.hidden_size * m.hidden_size * tokens / width / (peak_bf16 * rates.GEMM_EFFICIENCY["bf16"])
+        gemm += mtp * (3.0 * (a_mm + m_mm + proj) + r_mm)
+        attn += mtp * (3.0 * core + r_core)
+        memory += mtp * (3.0 * (a_mem + m_mem) + r_mem)
+    if pp_rank == max(1, p.pp) - 1:  # output layer, bf16 (once more per MTP layer: each computes its own logits)
+        head = 3.0 * (1 + mtp) * cost.logits_forward_flops(cfg) * tokens / width
         gemm += head / (peak_bf16 * rates.GEMM_EFFICIENCY["bf16"])
-    hbm = cfg.cluster.hbm_bw_gbps * 1e9 * rates.HBM_EFFICIENCY if cfg.cluster.hbm_bw_gbps > 0 else NOMINAL_BW_GBPS * 1e9
-    memory = rates.MEMORY_PASSES * traffic / hbm
     return gemm, attn, memory
+
+
+def _moe_sides(cfg: RunConfig, peak_bf16: float, peak_fmt: float, tp_per_layer: float) -> moe_comm.LayerSides:
+    """An MoE layer's forward split as the combined 1F1B schedule runs it (TP collectives on the attention side)."""
+    a_mm, core, a_mem, m_mm, m_mem = _layer_forward(cfg, True, peak_bf16, peak_fmt)
+    return moe_comm.LayerSides(attn=a_mm + core + a_mem + tp_per_layer / 3, mlp=m_mm + m_mem)
 
 
 def _bandwidth(cfg: RunConfig, kind: str, groups) -> float:
@@ -145,37 +202,6 @@ def _bandwidth(cfg: RunConfig, kind: str, groups) -> float:
     intra = groups[kind].intra_nvlink if kind in groups else True
     bw = c.intra_node_bw_gbps if intra else c.inter_node_bw_gbps
     return (bw if bw > 0 else NOMINAL_BW_GBPS) * 1e9 * rates.LINK_EFFICIENCY
-
-
-def _off_domain_share(cfg: RunConfig, kind: str, groups) -> float:
-    """Share of a rank's peers in a group that sit outside its NVLink domain."""
-    if kind not in groups or groups[kind].size < 2:
-        return 0.0
-    g, dom = groups[kind].groups[0], max(1, cfg.cluster.nvlink_domain)
-    return sum(r // dom != g[0] // dom for r in g) / (len(g) - 1)
-
-
-def _ep_time(cfg: RunConfig, groups, tokens_local: float, act: int, moe_layers: int) -> float:
-    """Token dispatch + combine, forward and backward, per microbatch.
-
-    ``alltoall``/``allgather``: each of a token's ``k`` copies travels to its expert's rank. ``flex``
-    (DeepEP / HybridEP): a token crosses the network once per remote NVLink domain holding one of its
-    experts, then fans out over NVLink, so the network carries ``k`` copies only when experts spread
-    over many domains (expected distinct remote domains ``(n - 1) (1 - (1 - 1/n)^k)``).
-    """
-    m, p, c = cfg.model, cfg.parallel, cfg.cluster
-    k = m.moe_router_topk
-    token = tokens_local / (p.tp if p.sp else 1) * m.hidden_size * act
-    off = _off_domain_share(cfg, "ep", groups)
-    domains = max(1, round(1 / (1 - off * (p.ep - 1) / p.ep))) if off < 1 else p.ep
-    if p.moe_dispatcher == "flex" and domains > 1:
-        inter = (domains - 1) * (1 - (1 - 1 / domains) ** k) * token
-    else:
-        inter = k * (p.ep - 1) / p.ep * off * token
-    intra = k * (p.ep - 1) / p.ep * (1 - off) * token
-    nvl = (c.intra_node_bw_gbps or NOMINAL_BW_GBPS) * 1e9
-    net = (c.inter_node_bw_gbps or NOMINAL_BW_GBPS) * 1e9
-    return 4 * moe_layers * max(intra / nvl, inter / net) / rates.ALL_TO_ALL_EFFICIENCY
 
 
 def estimate_step_time(cfg: RunConfig, groups=None) -> StepTime:
@@ -204,12 +230,20 @@ def estimate_step_time(cfg: RunConfig, groups=None) -> StepTime:
     tp_full = 0.0
     if p.tp > 1:
         collective = (p.tp - 1) / p.tp * activation
-        tp_full = (8 + 4 * _recomputed_share(cfg)) * collective * layers_per_stage / _bandwidth(cfg, "tp", groups)
+        repeats = 4 * _recomputed_share(cfg) + _selective_collectives(cfg)
+        tp_full = (8 + repeats) * collective * layers_per_stage / _bandwidth(cfg, "tp", groups)
     tp = tp_full * rates.TP_EXPOSED
     cp = _cp_time(cfg, groups, attn, layers_per_stage, tokens_local, act)
-    ep = 0.0
+    ep = ep_hidden = ep_blocking = ep_transfer = 0.0
     if derived.is_moe(m) and p.ep > 1:
-        ep = _ep_time(cfg, groups, tokens_local, act, moe_layers)
+        blocking = moe_comm.blocking_time(cfg, groups, tokens_local, act)
+        sides = _moe_sides(cfg, peak_bf16, peak_fmt, tp / max(1, layers_per_stage))
+        transfer = moe_comm.transfer_time(cfg, groups, tokens_local, act)
+        ep, ep_hidden = moe_comm.exposed_time(cfg, sides, blocking, transfer, moe_layers)
+        ep_blocking = moe_layers * blocking
+        if "moe" in activations.selected_modules(cfg):  # the recomputed MoE forward dispatches and combines again
+            ep, ep_blocking = 1.5 * ep, 1.5 * ep_blocking  # (rule recompute.moe_with_ep_overlap: no overlap here)
+        ep_transfer = moe_layers * transfer if p.overlap_moe_expert_parallel_comm else 0.0
     pp_comm = 2 * vpp * activation / (p.tp if p.sp else 1) / _bandwidth(cfg, "pp", groups) if pp > 1 else 0.0
     if vpp > 1 and not nominal:
         pp_comm *= rates.PP_EXPOSED_INTERLEAVED
@@ -226,6 +260,11 @@ def estimate_step_time(cfg: RunConfig, groups=None) -> StepTime:
                 f"{p.moe_dispatcher} dispatcher: each of a token's {m.moe_router_topk} copies travels to its expert's "
                 "rank (parallel.moe_dispatcher=flex deduplicates copies per NVLink domain)"
             )
+            if p.overlap_moe_expert_parallel_comm:
+                assumptions.append(
+                    f"EP overlap: blocking exchanges at {rates.ALL_TO_ALL_EFFICIENCY:.0%} of the link (calibrated, the "
+                    f"waiting included), overlapped transfers at {rates.LINK_EFFICIENCY:.0%}; computation not slowed by "
+                    "the communication kernels beside it")
     if p.tp > 1:
         assumptions.append(
             f"TP communication {rates.TP_EXPOSED:.0%} exposed, as with Transformer Engine's tp_comm_overlap in the "
@@ -248,6 +287,9 @@ def estimate_step_time(cfg: RunConfig, groups=None) -> StepTime:
         peak_flops=peak_bf16,
         nominal=nominal,
         tp_unoverlapped=micro * tp_full,
+        ep_blocking=micro * ep_blocking,
+        ep_transfer=micro * ep_transfer,
+        ep_hidden=micro * ep_hidden,
         spread=spread,
         assumptions=assumptions,
     )
@@ -280,6 +322,18 @@ def _recomputed_share(cfg: RunConfig) -> float:
         return 1.0
     chunks = [len(c) for stage in derived.pipeline_stage_layers(cfg) for c in stage if len(c)]
     return sum(min(n, max(1, t.recompute_num_layers)) for n in chunks) / max(1, sum(chunks))
+
+
+def _selective_collectives(cfg: RunConfig) -> float:
+    """Per layer on average, the TP collectives selective recompute repeats: a recomputed dense MLP (``mlp``) or
+    MoE layer (``moe``) gathers and reduce-scatters its block again; ``mla_up_proj`` gathers the latents again."""
+    mods, m = activations.selected_modules(cfg), cfg.model
+    if not mods:
+        return 0.0
+    moe = [derived.is_moe_layer(m, i) for i in range(m.num_layers)]
+    blocks = sum(("moe" in mods) if is_moe else ("mlp" in mods) for is_moe in moe)
+    latents = (m.q_lora_rank or 0) + (m.kv_lora_rank or 0) if m.multi_latent_attention and "mla_up_proj" in mods else 0
+    return 2.0 * blocks / m.num_layers + latents / m.hidden_size
 
 
 def _largest_stage(cfg: RunConfig):

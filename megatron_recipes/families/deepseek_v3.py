@@ -1,17 +1,24 @@
 """DeepSeek-V3 (``DeepseekV3ForCausalLM``): multi-latent attention, first layers dense, then sigmoid-routed
-experts with a shared expert and a routing bias.
+experts with a shared expert and a routing bias, and ``num_nextn_predict_layers`` multi-token-prediction layers.
 
-Multi-token-prediction layers (``model.layers.<num_hidden_layers>...``, ignored by transformers too) are
-skipped: the imported recipe sets ``mtp_num_layers: null``. megatron-core's MLA keeps the RoPE channels of
-the q and k-rope projections interleaved, as HF's default ``rope_interleave: true`` does; a model stored
-with ``rope_interleave: false`` is permuted once on import (``RopeRows``).
+MTP layers are stored after the decoder layers (``model.layers.61.*`` after 61; transformers ignores them):
+``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` (megatron-core's ``final_layernorm``), a decoder layer
+under the same index (mapped by the decoder's table, MLA and MoE alike), and copies of the model's embedding
+and output head (``embed_tokens``, ``shared_head.head``), which megatron-core's MTP layers share with the
+model: import requires them equal to the model's, export writes them back. ``eh_proj`` takes
+``[enorm(embedding); hnorm(hidden)]`` in both: megatron-core concatenates in that order, and so do the
+servers that run DeepSeek-V3's released MTP weights (the report's formula writes the two the other way).
+
+megatron-core's MLA keeps the RoPE channels of the q and k-rope projections interleaved, as HF's default
+``rope_interleave: true`` does; a model stored with ``rope_interleave: false`` is permuted once on import
+(``RopeRows``), its MTP layer's attention included.
 """
 
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.families import _moe, llama
-from megatron_recipes.families.family import TINY, Family, hf_layer, layer_table
+from megatron_recipes.families.family import TINY, Family, hf_layer, layer_table, mtp_layer_table
 from megatron_recipes.families.hf_config import dense_from_hf, dense_to_hf, require
-from megatron_recipes.families.transforms import Copy, Gated, RopeRows
+from megatron_recipes.families.transforms import Copy, Gated, RopeRows, Vocab
 
 
 def _q_block(m):
@@ -52,6 +59,24 @@ MOE = {
 }
 
 
+# The model's embedding and output head, stored once more under each MTP layer
+EMBEDDINGS = {
+    **llama.EMBEDDINGS,
+    "embedding.word_embeddings.weight": Vocab("model.embed_tokens.weight", per_mtp_layer=hf_layer("embed_tokens.weight")),
+    "output_layer.weight": Vocab("lm_head.weight", per_mtp_layer=hf_layer("shared_head.head.weight")),
+}
+
+MTP = mtp_layer_table(
+    {**MLA, **llama.DENSE_MLP, **MOE},
+    {
+        "enorm.weight": Copy(hf_layer("enorm.weight")),
+        "hnorm.weight": Copy(hf_layer("hnorm.weight")),
+        "eh_proj.weight": Copy(hf_layer("eh_proj.weight")),
+        "final_layernorm.weight": Copy(hf_layer("shared_head.norm.weight")),
+    },
+)
+
+
 def config_from_hf(hf):
     require(hf, "norm_topk_prob", True, "megatron-core normalises the top-k sigmoid scores")
     require(hf, "moe_layer_freq", 1, "every layer after the first dense ones must be MoE")
@@ -87,7 +112,8 @@ def config_from_hf(hf):
         moe_router_enable_expert_bias=True,
         moe_router_load_balancing_type="seq_aux_loss",
         moe_aux_loss_coeff=1e-4,
-        mtp_num_layers=None,  # MTP weights are skipped (see module docstring)
+        mtp_num_layers=int(getattr(hf, "num_nextn_predict_layers", 0) or 0) or None,
+        mtp_loss_scaling_factor=0.1,  # not in config.json: DeepSeek-V3's value at the end of pretraining (recipes/model)
     )
     return out
 
@@ -110,19 +136,13 @@ def config_to_hf(m):
         topk_group=m.moe_router_group_topk,
         routed_scaling_factor=m.moe_router_topk_scaling_factor,
         norm_topk_prob=True,
+        num_nextn_predict_layers=m.mtp_num_layers or 0,
     )
     return out
 
 
-def _mtp_layers(hf):
-    """HF names of the multi-token-prediction layers (stored after the decoder layers)."""
-    extra = int(getattr(hf, "num_nextn_predict_layers", 0) or 0)
-    first = hf.num_hidden_layers
-    return tuple(rf"model\.layers\.{i}\..*" for i in range(first, first + extra))
-
-
 def tiny_hf_config(**overrides):
-    """MLA with YaRN, a dense first layer, 4 sigmoid-routed experts in 2 groups and a shared expert."""
+    """MLA with YaRN, a dense first layer, 4 sigmoid-routed experts in 2 groups, a shared expert and one MTP layer."""
     from transformers import DeepseekV3Config
 
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
@@ -131,7 +151,7 @@ def tiny_hf_config(**overrides):
         **TINY, "vocab_size": 1000, "num_key_value_heads": 4, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
         "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
         "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
-        "rope_parameters": yarn, **overrides,
+        "rope_parameters": yarn, "num_nextn_predict_layers": 1, **overrides,
     })
 
 
@@ -139,11 +159,9 @@ FAMILY = Family(
     name="deepseek_v3",
     architectures=("DeepseekV3ForCausalLM",),
     model_type="deepseek_v3",
-    weights={**llama.EMBEDDINGS, **MLA, **llama.DENSE_MLP, **MOE},
+    weights={**EMBEDDINGS, **MLA, **llama.DENSE_MLP, **MOE, **MTP},
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     flags_from_hf=lambda hf: {"rope_interleave": bool(getattr(hf, "rope_interleave", True))},
-    ignored_from_hf=_mtp_layers,
-    notes="multi-token-prediction layers are skipped (mtp_num_layers: null)",
     tiny_hf_config=tiny_hf_config,
 )

@@ -4,6 +4,11 @@ A family is data: HF architecture names, the HF config <-> ModelConfig functions
 megatron-core's checkpoint keys (TE naming, layer index dropped: ``decoder.layers.<name>``) to typed
 transforms over HF tensor names with ``{layer}``/``{expert}`` placeholders, and a tiny HF config that the
 tests build a random model from. One small file per family in this package declares one ``FAMILY``.
+
+Multi-token-prediction layers (megatron-core's ``mtp.layers.<i>.``, index dropped: ``mtp.layers.<name>``)
+count on after the decoder's: MTP layer ``i`` is ``{layer}`` = ``num_layers + i``, where HF DeepSeek-V3
+stores it (``model.layers.61`` after 61 decoder layers). Each holds one decoder layer
+(``mtp.layers.transformer_layer.<name>``), mapped by the decoder's own table (``mtp_layer_table``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from megatron_recipes.config.schema import ModelConfig
 from megatron_recipes.families.transforms import Transform
 
 LAYER = "decoder.layers."
+MTP_LAYER = "mtp.layers."
+MTP_DECODER_LAYER = MTP_LAYER + "transformer_layer."  # the decoder layer inside each MTP layer
 
 
 @dataclass(frozen=True)
@@ -31,7 +38,7 @@ class Family:
     tiny_hf_config: Callable[..., Any]
     flags_from_hf: Callable[[Any], Dict[str, Any]] = lambda hf: {}  # per-model switches the transforms read
     ignored_hf: Tuple[str, ...] = (r".*rotary_emb\.inv_freq$",)  # HF tensors that are not weights
-    ignored_from_hf: Callable[[Any], Tuple[str, ...]] = lambda hf: ()  # model-dependent skips (e.g. MTP layers)
+    ignored_from_hf: Callable[[Any], Tuple[str, ...]] = lambda hf: ()  # skips that depend on the HF config
     notes: str = ""
 
     def transform(self, canonical_key: str) -> Transform:
@@ -51,6 +58,14 @@ class Family:
 def layer_table(entries: Mapping[str, Transform]) -> Dict[str, Transform]:
     """Prefix a table of per-layer entries with ``decoder.layers.``."""
     return {LAYER + k: v for k, v in entries.items()}
+
+
+def mtp_layer_table(decoder: Mapping[str, Transform], own: Mapping[str, Transform]) -> Dict[str, Transform]:
+    """An MTP layer's entries: its ``own`` (norms, projection; keys without the ``mtp.layers.`` prefix) and its
+    decoder layer, mapped as the ``decoder`` table maps a decoder layer (its HF names under the MTP layer's index)."""
+    out = {MTP_LAYER + k: v for k, v in own.items()}
+    out.update({MTP_DECODER_LAYER + k[len(LAYER):]: v for k, v in decoder.items() if k.startswith(LAYER)})
+    return out
 
 
 def hf_layer(template: str) -> str:

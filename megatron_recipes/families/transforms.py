@@ -6,7 +6,8 @@ megatron *global* layout (what dist-checkpointing stores, independent of TP/PP/E
 - ``hf_shapes``: the HF names and shapes it consumes, derived from the megatron shape (used to check a
   HF folder before writing anything and to lay out an export's headers);
 - ``fill``: import; writes the HF rows straight into the megatron buffer (no intermediate copies);
-- ``pieces``: export; the HF tensors as contiguous row pieces of the megatron tensor (views, no copies).
+- ``pieces``: export; the HF tensors as contiguous row pieces of the megatron tensor (views, no copies);
+- ``check``: import, before anything is written; what the HF tensors' values must satisfy (most: nothing).
 
 Megatron's global layouts: fused QKV is ``[q_1..q_n, k, v]`` per query group, groups in order; a gated
 MLP's fc1 is ``[gate; up]``; embeddings and the output layer carry padded vocabulary rows.
@@ -43,10 +44,23 @@ class Source(Protocol):
 
     def read_rows(self, name: str, out: torch.Tensor, start: int = 0) -> None: ...
 
+    def info(self, name: str) -> object: ...  # its ``shape``
+
+    def __contains__(self, name: object) -> bool: ...
+
 
 class Transform:
     def hf_shapes(self, shape: Shape, ctx: Ctx) -> Dict[str, Shape]:
         raise NotImplementedError
+
+    def check(self, src: Source, ctx: Ctx) -> List[str]:
+        """Problems with the HF tensors' values (their names and shapes are checked already)."""
+        return []
+
+    def optional_on_import(self, ctx: Ctx) -> List[str]:
+        """HF names of ``hf_shapes`` an import may find absent (copies of another tensor it reads), which
+        export still writes."""
+        return []
 
     def fill(self, out: torch.Tensor, src: Source, ctx: Ctx) -> None:
         raise NotImplementedError
@@ -71,14 +85,35 @@ class Copy(Transform):
         return {ctx.name(self.hf): [t]}
 
 
+def mtp_hf_layers(model: ModelConfig) -> range:
+    """The ``{layer}`` of each MTP layer: they count on after the decoder's layers."""
+    return range(model.num_layers, model.num_layers + (model.mtp_num_layers or 0))
+
+
 @dataclass(frozen=True)
 class Vocab(Transform):
-    """Embedding / output rows: zero padding rows up to megatron's padded vocabulary; cut on export."""
+    """Embedding / output rows: zero padding rows up to megatron's padded vocabulary; cut on export.
+
+    ``per_mtp_layer``: where HF stores the same rows once more for each MTP layer (``{layer}``: its index), as
+    DeepSeek-V3 stores the embedding and output head its MTP layers share with the model. megatron-core's MTP
+    layers use the model's own, so import requires each copy present to equal them (a folder without the
+    copies, as Megatron-Bridge exports DeepSeek-V3, imports the same), and export writes them back.
+    """
 
     hf: str
+    per_mtp_layer: str = ""
+
+    def _copies(self, ctx: Ctx) -> List[str]:
+        if not self.per_mtp_layer:
+            return []
+        return [self.per_mtp_layer.format(layer=i) for i in mtp_hf_layers(ctx.model)]
 
     def hf_shapes(self, shape, ctx):
-        return {ctx.name(self.hf): (ctx.model.vocab_size, *shape[1:])}
+        rows = (ctx.model.vocab_size, *shape[1:])
+        return {name: rows for name in [ctx.name(self.hf), *self._copies(ctx)]}
+
+    def optional_on_import(self, ctx):
+        return self._copies(ctx)
 
     def fill(self, out, src, ctx):
         v = ctx.model.vocab_size
@@ -86,7 +121,27 @@ class Vocab(Transform):
         out[v:].zero_()
 
     def pieces(self, t, ctx):
-        return {ctx.name(self.hf): [t[: ctx.model.vocab_size]]}
+        rows = t[: ctx.model.vocab_size]
+        return {name: [rows] for name in [ctx.name(self.hf), *self._copies(ctx)]}
+
+    def check(self, src, ctx, rows: int = 4096):
+        """Each MTP layer's copy equals the model's rows, compared block by block (two blocks in memory)."""
+        main, v = ctx.name(self.hf), ctx.model.vocab_size
+        problems = []
+        for copy in self._copies(ctx):
+            if copy not in src:  # an absent copy is allowed (optional_on_import)
+                continue
+            width = src.info(main).shape[1:]
+            for start in range(0, v, rows):
+                n = min(rows, v - start)
+                a, b = torch.empty((n, *width)), torch.empty((n, *width))
+                src.read_rows(main, a, start), src.read_rows(copy, b, start)
+                if not torch.equal(a, b):
+                    first = start + int((a != b).reshape(n, -1).any(dim=1).nonzero()[0])
+                    problems.append(f"{copy} differs from {main} (first at row {first}): megatron-core's MTP layers share "
+                                    "the model's embedding and output head, so a separate one cannot be imported")
+                    break
+        return problems
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ class Machine:
     transformer_engine: bool
     deep_ep: bool
     compute_capability: tuple
+    te_version: tuple = ()  # (major, minor) of the importable Transformer Engine; () without it or unread
 
 
 @lru_cache(maxsize=1)
@@ -39,7 +40,8 @@ def detect() -> Machine:
             te = False
     deep_ep = cuda and importlib.util.find_spec("deep_ep") is not None
     cc = torch.cuda.get_device_capability() if cuda else (0, 0)
-    return Machine(cuda=cuda, transformer_engine=te, deep_ep=deep_ep, compute_capability=cc)
+    return Machine(cuda=cuda, transformer_engine=te, deep_ep=deep_ep, compute_capability=cc,
+                   te_version=_te_version() if te else ())
 
 
 def _te_version() -> tuple:

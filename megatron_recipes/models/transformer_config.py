@@ -59,6 +59,11 @@ def _parallel_fields(cfg: RunConfig, on_gpu: bool) -> Dict[str, Any]:
         # there the interleaved schedule communicates unbatched and waits for each exchange.
         "batch_p2p_comm": False,
         "overlap_p2p_comm": p.vpp is not None and on_gpu,
+        # EP all-to-all hidden behind another micro-batch (megatron-core picks its combined 1F1B schedule from
+        # this field; training/step.py's forward step builds the schedule plan it asks for) and weight
+        # gradients deferred into that overlap (training/optim.py gives DDP the same flag). Rules ep_overlap.*.
+        "overlap_moe_expert_parallel_comm": p.overlap_moe_expert_parallel_comm,
+        "delay_wgrad_compute": p.delay_wgrad_compute,
     }
 
 
@@ -116,8 +121,9 @@ def _recompute_fields(cfg: RunConfig) -> Dict[str, Any]:
     t = cfg.train
     if t.recompute == "none":
         return {}
-    if t.recompute == "selective":
-        return {"recompute_granularity": "selective"}
+    if t.recompute == "selective":  # the modules as listed (rules recompute.modules_*; megatron-core's own default
+        # is core attention alone, as train.recompute_modules' is)
+        return {"recompute_granularity": "selective", "recompute_modules": list(t.recompute_modules)}
     return {  # "full" (schema.RECOMPUTE; rule recompute.values)
         "recompute_granularity": "full",
         "recompute_method": t.recompute_method,
@@ -177,7 +183,8 @@ def build_transformer_config(cfg: RunConfig, use_te: bool, cpu_init: bool, fusio
 
     from megatron_recipes.validation.validate import require
 
-    require(cfg, "model.option_values", "recompute.values", "model.rope_scaling_mcore")  # the values mapped below
+    # the values mapped below
+    require(cfg, "model.option_values", "recompute.values", "recompute.modules_values", "model.rope_scaling_mcore")
     m = cfg.model
     fields: Dict[str, Any] = dict(
         num_layers=m.num_layers,
@@ -195,6 +202,7 @@ def build_transformer_config(cfg: RunConfig, use_te: bool, cpu_init: bool, fusio
         hidden_dropout=0.0,
         attention_dropout=0.0,
         mtp_num_layers=m.mtp_num_layers,
+        mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
         window_size=(m.sliding_window - 1, 0) if m.sliding_window else None,  # HF: the last N keys, itself included
         calculate_per_token_loss=True,
         use_cpu_initialization=cpu_init,

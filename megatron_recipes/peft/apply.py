@@ -74,6 +74,15 @@ def _check_targets(chunks: List[torch.nn.Module], cfg: RunConfig, found) -> None
     """Names the model does not have, and ranks larger than a targeted layer, fail before any change."""
     present = present_kinds(chunks)
     missing = [name for name, targets in found.items() if not targets]
+    grouped = [name for name in missing if name.startswith("expert_") and getattr(chunks[0].config, "moe_grouped_gemm", False)]
+    if grouped:  # Transformer Engine's grouped-GEMM experts hold every local expert in one GroupedLinear
+        raise RecipeError(
+            f"peft.target_modules names {grouped}, but this run builds its routed experts as grouped GEMMs "
+            "(moe_grouped_gemm with Transformer Engine), which take no LoRA adapter here (adapters go on "
+            "megatron-core's per-expert linears, built without Transformer Engine)",
+            fix="leave expert_fc1/expert_fc2 out of peft.target_modules on Transformer Engine runs "
+            "(attention and shared-expert linears still take adapters)",
+        )
     if missing:  # a name may legitimately be absent on this pipeline stage only if the model has it
         local_layers = any(True for chunk in chunks for _ in attention_modules(chunk))
         if local_layers:

@@ -53,6 +53,8 @@ def render_plan(plan: Dict[str, Any], console: Console, all_groups: bool = False
         t.add_column(names.get(col, col), justify="right")
     t.add_row(*(str(lay[c] if lay[c] is not None else "-") for c in cols))
     console.print(t)
+    if lay.get("recompute_modules"):
+        console.print("selective recompute of: " + ", ".join(lay["recompute_modules"]))
     stages = lay["layers_per_stage"]
     console.print("layers per pipeline stage (per virtual chunk): " + " | ".join("+".join(map(str, s)) for s in stages[:16])
                   + (" | ..." if len(stages) > 16 else ""))
@@ -139,6 +141,15 @@ def _render_time(st: Dict[str, Any], console: Console) -> None:
     console.print(f"estimated step: {st['step_s']:.3g}s ({parts})")
     console.print(f"throughput: {tps:,.0f} tokens/s/GPU, likely {tps * (1 - sp):,.0f} to {tps * (1 + sp):,.0f} (+/-{sp:.0%}); "
                   f"model MFU {st['model_mfu'] * 100:.0f}% of the bf16 peak")
+    if st["ep_blocking_s"] > 0:
+        blocking, exposed = st["ep_blocking_s"], st["breakdown_s"]["ep"]
+        if st["ep_overlap"]:
+            console.print(f"EP all-to-all: {st['ep_transfer_s']:.3g}s per step on the links, {st['ep_hidden_s']:.3g}s of it "
+                          f"hidden behind the other micro-batch's computation (combined 1F1B schedule), {exposed:.3g}s "
+                          f"exposed ({blocking:.3g}s as blocking exchanges)")
+        else:
+            console.print(f"EP all-to-all: {blocking:.3g}s per step, all exposed (parallel.overlap_moe_expert_parallel_comm="
+                          "true hides part of it behind another micro-batch's computation)")
     dominant = ", ".join(f"{k} {share:.0%}" for k, share in st["dominant"])
     console.print(f"dominant terms: {dominant}; {st['gemm_format']} GEMMs at {st['gemm_efficiency']:.0%} of their peak "
                   "(constants and their sources: estimate/rates.py)")

@@ -55,7 +55,8 @@ class Candidate:
         counted = str(p.account_for_embedding_in_pipeline_split).lower()
         out += [f"parallel.account_for_embedding_in_pipeline_split={counted}",
                 f"parallel.account_for_loss_in_pipeline_split={counted}"]
-        out += [f"train.micro_batch_size={t.micro_batch_size}", f"train.recompute={t.recompute}"]
+        out += [f"train.micro_batch_size={t.micro_batch_size}", f"train.recompute={t.recompute}",
+                f"train.recompute_modules=[{','.join(t.recompute_modules)}]"]
         if self.sharding_mode is not None:
             out += sharding.overrides(self.cfg)
         return out
@@ -111,7 +112,8 @@ def enumerate_layouts(cfg: RunConfig) -> Iterator[RunConfig]:
     tps = [t for t in divisors(m.num_attention_heads) if world % t == 0 and t <= max(1, c.nvlink_domain)]
     cps = [x for x in (1, 2, 4, 8, 16) if world % x == 0 and (x == 1 or gpu)]
     experts = m.num_moe_experts or 1
-    recomputes = ["none", "full"] + (["selective"] if not gpu else [])
+    # selective: core attention on CPU clusters (GPUs' flash attention keeps little), and the recipe's own modules
+    recomputes = ["none", "full"] + (["selective"] if not gpu or cfg.train.recompute == "selective" else [])
     for tp in tps:
         etps = [1, tp] if derived.is_moe(m) and tp > 1 else [None]
         for cp in cps:
@@ -138,7 +140,9 @@ def _with(cfg, tp, pp, vpp, cp, ep, etp, split, mbs, recompute) -> RunConfig:
         account_for_embedding_in_pipeline_split=counted, account_for_loss_in_pipeline_split=counted,
         pipeline_layout=None,  # the search places layers by the split fields; a layout is written by hand
     )
-    train = dataclasses.replace(cfg.train, micro_batch_size=mbs, recompute=recompute, recompute_num_layers=1, recompute_method="uniform")
+    modules = list(cfg.train.recompute_modules) if recompute == "selective" else ["core_attn"]
+    train = dataclasses.replace(cfg.train, micro_batch_size=mbs, recompute=recompute, recompute_num_layers=1, recompute_method="uniform",
+                                recompute_modules=modules)
     return dataclasses.replace(cfg, parallel=parallel, train=train)
 
 

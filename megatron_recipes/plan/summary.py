@@ -41,6 +41,7 @@ def layout_dict(cfg: RunConfig) -> Dict[str, Any]:
         "num_microbatches": derived.num_microbatches(cfg),
         "seq_length": t.seq_length,
         "recompute": t.recompute,
+        "recompute_modules": list(t.recompute_modules) if t.recompute == "selective" else [],
         "layers_per_stage": [[len(c) for c in chunks] for chunks in stages],
     }
 
@@ -125,6 +126,12 @@ def time_dict(cfg: RunConfig, groups: Dict[str, GroupKind]) -> Dict[str, Any]:
         "spread": st.spread,
         "model_mfu": st.mfu,
         "breakdown_s": st.breakdown(),
+        # EP all-to-all per step: as blocking exchanges; overlapped, the transfers' time on the links and the part
+        # of it hidden behind the other micro-batch's computation (what stays exposed: breakdown_s["ep"])
+        "ep_blocking_s": st.ep_blocking,
+        "ep_transfer_s": st.ep_transfer,
+        "ep_hidden_s": st.ep_hidden,
+        "ep_overlap": cfg.parallel.overlap_moe_expert_parallel_comm,
         "dominant": st.dominant(),
         "assumptions": st.assumptions,
         "gemm_format": rates.gemm_format(cfg),

@@ -87,8 +87,10 @@ def summary(run: RunData) -> str:
 
 def curves(run: RunData) -> str:
     entropy = run.starts[-1].get("unigram_entropy_nats") if run.starts else None  # what a context-blind model reaches
+    mtp = sorted({k for r in run.records for k in r["data"] if k.startswith("mtp_") and k.endswith("_loss")})
     charts = [
-        line_chart("loss", [("train loss", run.series("loss")), ("validation loss", run.series("val_loss"))], "nats/token",
+        line_chart("loss", [("train loss", run.series("loss")), ("validation loss", run.series("val_loss")),
+                            *((f"MTP {k[4:-5]} loss (train)", run.series(k)) for k in mtp)], "nats/token",
                    ("unigram entropy", entropy) if isinstance(entropy, (int, float)) else None),
         *([line_chart("task accuracy", [("validation answers, teacher-forced", run.series("task_accuracy"))], "share")]
           if run.series("task_accuracy") else []),
@@ -112,7 +114,7 @@ def plan(run: RunData) -> str:
     p = run.plan
     lay = p["layout"]
     keys = ("world_size", "nodes", "gpus_per_node", "tp", "pp", "vpp", "cp", "dp", "sp", "ep", "etp", "micro_batch_size",
-            "global_batch_size", "num_microbatches", "seq_length", "recompute", "layers_per_stage")
+            "global_batch_size", "num_microbatches", "seq_length", "recompute", "recompute_modules", "layers_per_stage")
     body = [f'<p>{escape(p["model"]["name"])}: {p["model"]["params"]:,} parameters on {escape(p["cluster"]["name"])} '
             f'({escape(str(p["cluster"]["gpu_arch"]))}, {p["cluster"]["gpu_memory_gb"]} GB per device)</p>']
     body.append(table([(k, str(lay[k])) for k in keys if k in lay], ("layout", "value")))

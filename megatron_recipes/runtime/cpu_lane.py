@@ -124,6 +124,45 @@ class _NoOpEvent:
 _STREAM = _NoOpStream()
 
 
+class _NoOpNvtx:
+    """Stand-in for ``torch.cuda.nvtx`` (profiler ranges), which a CPU build of torch refuses: megatron-core's
+    EP-overlap schedule nodes mark every step with it (pipeline_parallel/utils.py)."""
+
+    @staticmethod
+    def range_push(msg: str) -> int:
+        return 0
+
+    @staticmethod
+    def range_pop() -> int:
+        return 0
+
+    @staticmethod
+    def mark(msg: str) -> None:
+        return None
+
+    @staticmethod
+    def range(msg: str, *args: Any, **kwargs: Any):
+        return contextlib.nullcontext()
+
+
+def _patch_record_stream() -> None:
+    """``Tensor.record_stream`` keeps a CUDA tensor's memory from being reused before another stream is done
+    with it; CPU tensors have no streams (and torch refuses the call). megatron-core's EP-overlap schedule
+    nodes call it on every input they free and every gradient they pass on (pipeline_parallel/utils.py,
+    models/gpt/fine_grained_callables.py); on the lane, where work is synchronous, it is a no-op."""
+    original = torch.Tensor.record_stream
+    if getattr(original, "_lane", False):
+        return
+
+    def record_stream(self: torch.Tensor, stream: Any) -> None:
+        if self.device.type == "cpu":
+            return None
+        return original(self, stream)
+
+    record_stream._lane = True
+    torch.Tensor.record_stream = record_stream
+
+
 def _patch_cuda_namespace() -> None:
     cuda = torch.cuda
     cuda.current_device = lambda: 0
@@ -134,6 +173,7 @@ def _patch_cuda_namespace() -> None:
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
     cuda.current_stream = lambda *a, **k: _STREAM
     cuda.default_stream = lambda *a, **k: _STREAM
+    cuda.nvtx = _NoOpNvtx
     cuda.empty_cache = lambda: None
     cuda.memory_allocated = lambda *a, **k: 0
     cuda.max_memory_allocated = lambda *a, **k: 0
@@ -260,6 +300,7 @@ def activate() -> bool:
     patches.apply("cpu_lane")  # megatron-core's own CUDA-only corners (runtime/patches/)
     patches.apply("no_te")  # and its fallbacks without TE, which no CPU runs (also applied by the model builder)
     _patch_tensor_type()
+    _patch_record_stream()
     _patch_all_to_all()
     _one_gloo_worker_thread()
     _patch_autograd_engine()

@@ -31,6 +31,16 @@ def cuda_device_max_connections(cfg: RunConfig) -> List[EnvVar]:
             "on several hardware queues, which a single queue would serialise (Megatron-LM refuses FSDP with 1); "
             "8 is CUDA's default, set explicitly so a container's 1 cannot leak in",
         )]
+    if p.overlap_moe_expert_parallel_comm and arch != "cpu":
+        ordered = (p.tp > 1 or p.cp > 1) and arch in ("hopper", "ampere")
+        tp_note = (f"; with tp={p.tp}, cp={p.cp} on {arch} the TP/CP kernels lose their single-queue ordering "
+                   "(Megatron-LM warns and lets the overlap win)") if ordered else ""
+        return [EnvVar(
+            "CUDA_DEVICE_MAX_CONNECTIONS", "32",
+            "parallel.overlap_moe_expert_parallel_comm: the expert all-to-alls run on their own stream beside "
+            "another micro-batch's computation, which one hardware queue would serialise (megatron-core's MoE "
+            f"guide: more than 1){tp_note}",
+        )]
     if p.tp == 1 and p.cp == 1:
         return []
     if arch in ("hopper", "ampere"):

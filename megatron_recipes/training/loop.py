@@ -57,13 +57,24 @@ class Window:
     """Metrics accumulated between two log lines."""
 
     losses: List[float] = field(default_factory=list)
+    mtp_losses: List[List[float]] = field(default_factory=list)  # per step: one per MTP layer
     seconds: float = 0.0
     skipped: int = 0
 
     def add(self, result: step.StepResult, seconds: float) -> None:
         self.losses.append(result.loss)
+        if result.mtp_losses is not None:
+            self.mtp_losses.append(result.mtp_losses)
         self.seconds += seconds
         self.skipped += int(result.skipped)
+
+    def mtp_metrics(self) -> Dict[str, float]:
+        """``mtp_<k>_loss``: MTP layer k's loss averaged over the window, as the main loss is (Megatron-LM's
+        ``mtp_<k> loss``)."""
+        if not self.mtp_losses:
+            return {}
+        return {f"mtp_{k + 1}_loss": sum(step_[k] for step_ in self.mtp_losses) / len(self.mtp_losses)
+                for k in range(len(self.mtp_losses[0]))}
 
 
 class Trainer:
@@ -270,6 +281,7 @@ class Trainer:
         mfu = cost.mfu(self.cfg, step_time)
         return {
             "loss": sum(window.losses) / len(window.losses),
+            **window.mtp_metrics(),
             "lr": result.lr,
             "grad_norm": result.grad_norm,
             "tokens_per_sec": cost.tokens_per_step(self.cfg) / step_time if step_time > 0 else 0.0,
@@ -405,7 +417,8 @@ class Trainer:
 
     def _print(self, data: Dict[str, Any]) -> None:
         parts = [f"step {self.step:>6}/{self.cfg.train.train_iters}"]
-        fmt = {"loss": "{:.4f}", "val_loss": "{:.4f}", "task_accuracy": "{:.1%}", "lr": "{:.3e}", "grad_norm": "{:.3f}", "tokens_per_sec": "{:,.0f}"}
+        fmt = {"loss": "{:.4f}", **{k: "{:.4f}" for k in data if k.startswith("mtp_") and k.endswith("_loss")},
+               "val_loss": "{:.4f}", "task_accuracy": "{:.1%}", "lr": "{:.3e}", "grad_norm": "{:.3f}", "tokens_per_sec": "{:,.0f}"}
         for key, spec in fmt.items():
             if isinstance(data.get(key), (int, float)):
                 parts.append(f"{key} {spec.format(data[key])}")

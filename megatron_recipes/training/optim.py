@@ -54,6 +54,10 @@ def ddp_config(cfg: RunConfig):
         # passes the same flag to both configs).
         fp8_param_gather=cfg.precision.fp8_param_gather,
         reuse_grad_buf_for_mxfp8_param_ag=reuse_grad_buffer_for_mxfp8(cfg),
+        # Deferred weight gradients (Transformer Engine's delay_wgrad_compute) reach the buffer only in
+        # backward_dw(): DDP must then take their reduction hook from the module, not from the parameter's
+        # gradient accumulator, or it reduces before they exist (Megatron-LM passes the same flag to both)
+        delay_wgrad_compute=p.delay_wgrad_compute,
         **fsdp,
     )
 

@@ -3,7 +3,9 @@
 The loss is per token: the loss function returns ``(loss_sum, num_tokens, report)``, megatron-core's
 ``finalize_model_grads`` divides the gradients by the token count of the whole global batch, and the
 reported loss is ``sum(loss) / sum(tokens)`` over microbatches and data-parallel ranks. Packed and
-unpacked batches of the same tokens therefore give the same loss and the same gradients.
+unpacked batches of the same tokens therefore give the same loss and the same gradients. That loss is the
+main one: multi-token-prediction layers add theirs to the gradients inside GPTModel, and each is reported
+beside it as Megatron-LM's training log reports it (``_mtp_losses``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from megatron_recipes.config import derived
 from megatron_recipes.config.schema import RunConfig
+from megatron_recipes.runtime import mcore_compat
 from megatron_recipes.training import optim
 
 LOSS_KEY = "lm loss"
@@ -30,6 +33,7 @@ class StepResult:
     grad_norm: Optional[float] = None
     lr: Optional[float] = None
     skipped: bool = False  # the optimizer refused the update (inf/nan grads under fp16 loss scaling)
+    mtp_losses: Optional[List[float]] = None  # one per MTP layer (same value on every rank); None without MTP
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -120,12 +124,19 @@ def make_forward_step(device: torch.device, use_te: bool, mtp: Optional[tuple] =
     otherwise): the MTP block embeds the shifted input ids itself, and masks its loss with ``loss_mask``. Under CP each rank keeps its share of the sequence (``cp_share``); the loss
     sums and token counts are then this rank's, and ``_reduce_losses`` / megatron-core's
     ``finalize_model_grads`` add them up over data x context ranks (``calculate_per_token_loss``).
+
+    With ``parallel.overlap_moe_expert_parallel_comm`` megatron-core's combined 1F1B schedule calls it with
+    ``return_schedule_plan=True`` on the bare ``GPTModel``: it then returns the model's schedule plan for the
+    same inputs (``GPTModel.build_schedule_plan``, as Megatron-LM's pretrain_gpt), which the schedule runs
+    layer by layer beside another micro-batch's backward. Packed sequences' ``packed_seq_params`` go with
+    it (Megatron-LM's call drops them: the plan would attend across the packed samples' seams).
     """
     from megatron.core import parallel_state
 
     cp = (parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank())
 
-    def forward_step(data_iterator: Iterator[Dict[str, torch.Tensor]], model: torch.nn.Module):
+    def forward_step(data_iterator: Iterator[Dict[str, torch.Tensor]], model: torch.nn.Module,
+                     return_schedule_plan: bool = False):
         batch = next(data_iterator)
         if cp[0] > 1:
             batch = cp_share(batch, *cp)
@@ -138,8 +149,11 @@ def make_forward_step(device: torch.device, use_te: bool, mtp: Optional[tuple] =
         loss_mask = batch["loss_mask"].to(device, non_blocking=True) if last or mtp_here else None
         # loss_mask as Megatron-LM's pretrain_gpt passes it: GPTModel's MTP head masks its own loss with it
         # (without it, every position: prompts, padding and the seams of packed samples)
-        output = model(tokens, position_ids, labels=labels, loss_mask=loss_mask,
-                       **_attention_inputs(batch, device, use_te, cp))
+        attention = _attention_inputs(batch, device, use_te, cp)
+        if return_schedule_plan:
+            plan = model.build_schedule_plan(tokens, position_ids, labels=labels, loss_mask=loss_mask, **attention)
+            return plan, partial(loss_func, loss_mask)
+        output = model(tokens, position_ids, labels=labels, loss_mask=loss_mask, **attention)
         return output, partial(loss_func, loss_mask)
 
     return forward_step
@@ -160,6 +174,30 @@ def _reduce_losses(losses: Sequence[Dict[str, torch.Tensor]], device: torch.devi
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # only the last stage holds non-zeros
         collectives.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
     return total
+
+
+def _mtp_losses(cfg: RunConfig, device: torch.device) -> Optional[List[float]]:
+    """Each MTP layer's loss of this step as Megatron-LM's training log computes ``mtp_<k> loss``: megatron-core's
+    tracker holds, on the stage computing the loss, each micro-batch's masked mean (over the positions with a
+    token k ahead) summed over micro-batches; divided by their count, averaged over the data x context-parallel
+    ranks (the tracker's averaging group), then copied to every pipeline stage. Not token-weighted across
+    micro-batches or ranks, unlike the main loss: the same numbers Megatron-LM prints for the same run."""
+    n = cfg.model.mtp_num_layers
+    if not n:
+        return None
+    from megatron.core import parallel_state
+
+    from megatron_recipes.runtime import collectives, mcore_compat
+
+    taken = mcore_compat.take_mtp_losses(n)
+    total = torch.zeros(n, dtype=torch.float64, device=device)
+    if taken is not None and parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        total += taken.to(device=device, dtype=torch.float64) / derived.num_microbatches(cfg)
+    collectives.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    total /= parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # only the last stage holds non-zeros
+        collectives.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    return total.tolist()
 
 
 def _run_schedule(cfg: RunConfig, model: List[torch.nn.Module], iterators, forward_step, forward_only: bool):
@@ -184,6 +222,8 @@ def train_step(cfg: RunConfig, model, optimizer, scheduler, iterators, forward_s
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     optim.refresh_shared_param_buffer(cfg, optimizer)  # MXFP8 params sharing the zeroed grad buffer
+    if cfg.model.mtp_num_layers:  # the MTP losses of this step's forward passes only
+        mcore_compat.take_mtp_losses(cfg.model.mtp_num_layers)
     losses = _run_schedule(cfg, model, iterators, forward_step, forward_only=False)
     lr = float(optimizer.param_groups[0]["lr"])  # the rate this step applies (the scheduler moves it after)
     updated, grad_norm, _ = optimizer.step()
@@ -196,6 +236,7 @@ def train_step(cfg: RunConfig, model, optimizer, scheduler, iterators, forward_s
         grad_norm=float(grad_norm) if grad_norm is not None else None,
         lr=lr,
         skipped=not updated,
+        mtp_losses=_mtp_losses(cfg, device),
     )
 
 

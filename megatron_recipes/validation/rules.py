@@ -12,6 +12,7 @@ from typing import Dict, Iterable, List
 from megatron_recipes.validation.rules_base import DEFAULT_SCOPES, SCOPES, Host, Rule
 from megatron_recipes.validation.rules_cp import CP_RULES
 from megatron_recipes.validation.rules_data import DATA_RULES
+from megatron_recipes.validation.rules_ep_overlap import EP_OVERLAP_MACHINE_RULES, EP_OVERLAP_RULES
 from megatron_recipes.validation.rules_launch import LAUNCH_RULES
 from megatron_recipes.validation.rules_layout import LAYOUT_RULES
 from megatron_recipes.validation.rules_machine import MACHINE_RULES
@@ -20,6 +21,7 @@ from megatron_recipes.validation.rules_model import MODEL_RULES
 from megatron_recipes.validation.rules_moe import MOE_RULES
 from megatron_recipes.validation.rules_peft import PEFT_RULES
 from megatron_recipes.validation.rules_precision import PRECISION_RULES
+from megatron_recipes.validation.rules_recompute import RECOMPUTE_MACHINE_RULES, RECOMPUTE_RULES
 from megatron_recipes.validation.rules_sharding import SHARDING_RULES
 from megatron_recipes.validation.rules_train import TRAIN_RULES
 from megatron_recipes.validation.rules_values import VALUE_RULES
@@ -27,8 +29,9 @@ from megatron_recipes.validation.rules_values import VALUE_RULES
 # Single values first (a newline or a NaN makes every later message misleading); memory last: it only
 # speaks once the layout it estimates is otherwise valid.
 RULES: List[Rule] = (
-    VALUE_RULES + LAYOUT_RULES + CP_RULES + MODEL_RULES + MOE_RULES + PRECISION_RULES + TRAIN_RULES + SHARDING_RULES
-    + DATA_RULES + PEFT_RULES + MEMORY_RULES + LAUNCH_RULES + MACHINE_RULES
+    VALUE_RULES + LAYOUT_RULES + CP_RULES + MODEL_RULES + MOE_RULES + EP_OVERLAP_RULES + PRECISION_RULES + TRAIN_RULES
+    + RECOMPUTE_RULES + SHARDING_RULES + DATA_RULES + PEFT_RULES + MEMORY_RULES + LAUNCH_RULES + MACHINE_RULES
+    + EP_OVERLAP_MACHINE_RULES + RECOMPUTE_MACHINE_RULES
 )
 
 

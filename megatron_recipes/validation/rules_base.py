@@ -186,8 +186,14 @@ def _account_proposal(layers: int, pp: int, vpp: int) -> str:
 
 
 def pipeline_split_problem(cfg: RunConfig) -> Optional[str]:
-    """Why the layers cannot be split over pp x vpp (megatron-core's even/uneven rules), or None."""
+    """Why the layers cannot be split over pp x vpp (megatron-core's even/uneven rules, or the stages of
+    ``parallel.pipeline_layout``), or None."""
     p, layers = cfg.parallel, cfg.model.num_layers
+    if p.pipeline_layout:
+        from megatron_recipes.config import pipeline_layout
+
+        found = pipeline_layout.problems(p.pipeline_layout, p.pp, p.vpp, layers, cfg.model.mtp_num_layers)
+        return "; ".join(found) if found else None
     vpp = p.vpp or 1
     first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
     emb, loss = int(p.account_for_embedding_in_pipeline_split), int(p.account_for_loss_in_pipeline_split)

@@ -245,6 +245,21 @@ def _mla_latent_norms(cfg: RunConfig) -> Optional[str]:
     return None
 
 
+@rule(
+    "model.mtp_loss_scaling_factor",
+    ["model.mtp_loss_scaling_factor", "model.mtp_num_layers"],
+    "with MTP layers, their loss weight is > 0: megatron-core adds the MTP loss times it to the gradients, so a "
+    "negative weight trains the MTP layers away from the next tokens and 0 leaves them to weight decay alone",
+    "set model.mtp_loss_scaling_factor > 0 (megatron-core's default 0.1; DeepSeek-V3 used 0.3, then 0.1), or "
+    "model.mtp_num_layers=null for no MTP layers",
+)
+def _mtp_loss_scaling_factor(cfg: RunConfig) -> Optional[str]:
+    m = cfg.model
+    if not m.mtp_num_layers or m.mtp_loss_scaling_factor > 0:
+        return None
+    return f"model.mtp_loss_scaling_factor={m.mtp_loss_scaling_factor} with model.mtp_num_layers={m.mtp_num_layers} must be > 0"
+
+
 MODEL_RULES = [
     _sizes_positive,
     _family,
@@ -260,4 +275,5 @@ MODEL_RULES = [
     _mla_rope,
     _mla_no_qkv_bias,
     _mla_latent_norms,
+    _mtp_loss_scaling_factor,
 ]

@@ -133,6 +133,26 @@ def _router_options(cfg: RunConfig) -> Optional[str]:
 
 
 @rule(
+    "moe.global_aux_loss_layout",
+    ["model.moe_router_load_balancing_type", "parallel.tp", "parallel.pp", "parallel.cp", "cluster.nodes",
+     "cluster.gpus_per_node"],
+    "global_aux_loss trains the same at every data-parallel size: megatron-core (0.16 to 0.19.2) divides its gradient "
+    "by the data-parallel size (Megatron-LM #3672, unfixed), so a layout change would change the router's training",
+    "use model.moe_router_load_balancing_type=aux_loss or seq_aux_loss, or run global_aux_loss at data-parallel size 1",
+    model_layout=True,
+)
+def _global_aux_loss_layout(cfg: RunConfig) -> Optional[str]:
+    if not _moe(cfg) or cfg.model.moe_router_load_balancing_type != "global_aux_loss" or not world_ok(cfg):
+        return None
+    dp = derived.data_parallel_size(cfg)
+    if dp > 1:
+        return (f"model.moe_router_load_balancing_type=global_aux_loss at data-parallel size {dp}: megatron-core scales "
+                f"its load-balancing gradient down with the data-parallel size (Megatron-LM #3672), so this run would "
+                f"balance the experts less than the same run at data-parallel size 1")
+    return None
+
+
+@rule(
     "moe.first_dense_layers",
     ["model.moe_first_dense_layers", "model.num_layers"],
     "0 <= moe_first_dense_layers < num_layers",
@@ -296,6 +316,7 @@ MOE_RULES = [
     _router_topk,
     _group_routing,
     _router_options,
+    _global_aux_loss_layout,
     _first_dense,
     _tp_needs_sp,
     _etp_ffn,

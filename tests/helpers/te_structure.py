@@ -123,6 +123,8 @@ def check(recipe: str, precision: str, extra=()):
         "spec": getattr(linear, "__name__", str(linear)),
         "fp8": config.fp8,
         "fp4": config.fp4,
+        "recompute_granularity": config.recompute_granularity,
+        "recompute_modules": config.recompute_modules,
     }
 
 

@@ -22,7 +22,8 @@ CHECKPOINT_VERSION = 3.0  # what Megatron-LM's generate_state_dict writes (and i
 # ModelConfig fields with the same name and meaning as Megatron-LM's argument
 _SAME = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "normalization", "add_bias_linear",
          "add_qkv_bias", "qk_layernorm", "init_method_std", "make_vocab_size_divisible_by", "position_embedding_type",
-         "rotary_percent", "max_position_embeddings", "mtp_num_layers")
+         "rotary_percent", "max_position_embeddings", "mtp_num_layers",
+         "mtp_loss_scaling_factor")
 _MOE_SAME = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_score_function",
              "moe_router_pre_softmax", "moe_router_num_groups", "moe_router_group_topk",
              "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias", "moe_router_load_balancing_type",

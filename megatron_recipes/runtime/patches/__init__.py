@@ -51,6 +51,8 @@ from megatron_recipes.runtime.patches._lane import (
     _grad_norm_rounds_in_float32,
     _fsdp_telinear_class,
     _fsdp_isinstance_telinear_raises,
+    _no_te_recompute_contexts,
+    _recompute_without_output_needs_te,
     _mla_have_te_false,
     _mla_claims_te,
     _yarn_on_cpu,
@@ -135,6 +137,12 @@ PATCHES: List[Patch] = [
           "Megatron-FSDP's adapter calls isinstance(module, TELinear); without TE that is a MagicMock, not a class "
           "(0.18 compares class names and imports no TELinear)",
           "tests/test_sharding_equivalence.py", _fsdp_telinear_class, _fsdp_isinstance_telinear_raises),
+    Patch("checkpoint-without-output-no-te", "no_te",
+          "megatron.core.tensor_parallel.random:FP8GlobalStateManager,activation_recompute_forward,fp8_autocast",
+          ("0.16", None), "CheckpointWithoutOutput() (layernorm recompute) reads its default fp8=False as the FP8 "
+          "path and names TE's FP8 state, defined only where TE imports: a NameError without TE",
+          "tests/test_recompute.py::test_selective_recompute_trains_like_no_recompute",
+          _no_te_recompute_contexts, _recompute_without_output_needs_te),
     Patch("inference-sampling-rng", "inference",
           "megatron.core.inference.text_generation_controllers.text_generation_controller:TextGenerationController.__init__",
           ("0.16", None), "the text-generation controller builds its sampling generator on torch.cuda.current_device(); "

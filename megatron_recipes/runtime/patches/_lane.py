@@ -110,6 +110,40 @@ def _fsdp_isinstance_telinear_raises() -> bool:
         return True
 
 
+class _NoFP8:
+    """Transformer Engine's FP8 state where TE is absent: FP8 is never on."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe() -> None:
+        return None
+
+
+def _no_te_recompute_contexts() -> None:
+    """``CheckpointWithoutOutput()`` (the layernorm and moe_act recompute) defaults to ``fp8=False``, which its
+    ``fp8 is not None`` reads as the FP8 path: it then asks TE's FP8GlobalStateManager and enters TE's
+    recompute contexts, names tensor_parallel/random.py defines only when TE imports. Without TE no module
+    runs in FP8, so the FP8 state is off and the contexts are empty (what TE's own do outside FP8)."""
+    import contextlib
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    if not hasattr(mcore_random, "FP8GlobalStateManager"):
+        mcore_random.FP8GlobalStateManager = _NoFP8
+        mcore_random.activation_recompute_forward = lambda **_: contextlib.nullcontext()
+        mcore_random.fp8_autocast = lambda **_: contextlib.nullcontext()
+
+
+def _recompute_without_output_needs_te() -> bool:
+    """A default CheckpointWithoutOutput takes the FP8 path, whose TE names are undefined."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    return bool(mcore_random.CheckpointWithoutOutput().fp8) and not hasattr(mcore_random, "FP8GlobalStateManager")
+
+
 # --- local_mla: MLA on the local spec -----------------------------------------------------------
 
 
