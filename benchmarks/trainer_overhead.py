@@ -136,7 +136,7 @@ def main(argv: List[str]) -> int:
         return rank_main(argv)
     from megatron_recipes.config import derived
     from megatron_recipes.config.compose import compose_recipe
-    from megatron_recipes.training.cli import spawn_local
+    from megatron_recipes.runtime.local_launch import spawn_local
 
     recipe = argv[0] if argv and "=" not in argv[0] else "tiny_llama_cpu"
     cfg = compose_recipe(recipe, [a for a in argv if "=" in a] + ["run.dir=unused"])

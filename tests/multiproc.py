@@ -7,7 +7,7 @@ and RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT), one intra-op thread (CI
 cores), and its process group torn down at exit.
 
 Ranks are forked from the one server per test process that ``check`` forks its ranks from
-(``megatron_recipes.check.ranks``, preloading ``check/preload.py``: ``patches.apply("process")`` then torch,
+(``megatron_recipes.runtime.ranks``, preloading ``training/rank_preload.py``: ``patches.apply("process")`` then torch,
 megatron-core and the training stack, as the entry points do): a fresh interpreter per rank paid those
 imports (~5 s of CPU) ~200 times per suite. The trainer runs of ``train_support`` fork from the same
 server. Nothing else is shared: each rank is still its own process, started from the same clean,
@@ -47,7 +47,7 @@ _FAULT_FILE = None  # this rank's faulthandler file (kept open for the process's
 def _context():
     """The test process's forkserver context: check's server (it starts at the first rank and serves every
     later one, the trainer runs' ranks included)."""
-    from megatron_recipes.check import ranks
+    from megatron_recipes.runtime import ranks
 
     return ranks.context()
 

@@ -415,7 +415,8 @@ class _NothingTrains(Exception):
 @pytest.fixture
 def no_runs(monkeypatch):
     """The check up to its first run, without the ranks' server or any training."""
-    from megatron_recipes.check import cli, ranks, runs
+    from megatron_recipes.check import cli, runs
+    from megatron_recipes.runtime import ranks
 
     monkeypatch.setattr(ranks, "context", lambda **_: None)
     monkeypatch.setattr(ranks, "stop", lambda: None)

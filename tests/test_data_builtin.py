@@ -12,7 +12,7 @@ import pytest
 
 from data_support import small_builtin
 
-from megatron_recipes.check import ranks
+from megatron_recipes.runtime import ranks
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.data import artifact_cache as cache
 

@@ -1,5 +1,6 @@
 """A failed local job says its error once: the failing rank's message, not one per rank and not torch
-elastic's failure lines (real torchrun ranks through ``spawn_local``)."""
+elastic's failure lines, from both ways the local launcher starts ranks (runtime/local_launch.py): forked
+from the preloaded server (the CPU lane) and torchrun's fresh interpreters (with CUDA)."""
 
 from __future__ import annotations
 
@@ -27,19 +28,23 @@ TARGET = textwrap.dedent("""
 """)
 
 
-def _job(tmp_path, *args: str):
+LAUNCHERS = ["forked_ranks", "torchrun_ranks"]
+
+
+def _job(tmp_path, launcher: str, *args: str):
     script = tmp_path / "rank.py"
     script.write_text(TARGET)
-    code = ("import sys; from megatron_recipes.training.cli import spawn_local; "
-            f"sys.exit(spawn_local({list(args)!r}, 3, target=({str(script)!r},)))")
+    code = (f"import sys; from megatron_recipes.runtime.local_launch import {launcher}; "
+            f"sys.exit({launcher}({list(args)!r}, 3, ({str(script)!r},)))")
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     return done, time.monotonic() - start
 
 
 @pytest.mark.slow
-def test_the_same_error_on_every_rank_is_said_once(tmp_path):
-    done, _ = _job(tmp_path, "0,1,2", "data file x.jsonl line 3 is not JSON\n  fix: fix that line")
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_the_same_error_on_every_rank_is_said_once(tmp_path, launcher):
+    done, _ = _job(tmp_path, launcher, "0,1,2", "data file x.jsonl line 3 is not JSON\n  fix: fix that line")
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert lines == ["error: data file x.jsonl line 3 is not JSON", "  fix: fix that line",
@@ -47,8 +52,9 @@ def test_the_same_error_on_every_rank_is_said_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_one_failing_rank_is_named_and_the_others_are_stopped_quietly(tmp_path):
-    done, seconds = _job(tmp_path, "1")
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_one_failing_rank_is_named_and_the_others_are_stopped_quietly(tmp_path, launcher):
+    done, seconds = _job(tmp_path, launcher, "1")
     assert done.returncode == 2 and seconds < 50  # the sleeping ranks were stopped, not waited for
     assert done.stderr.strip().splitlines() == ["error: the file of rank 1 is unreadable", "  fix: check it", "  (rank 1)"]
     assert "exitcode" not in done.stderr and "Traceback" not in done.stderr

@@ -108,8 +108,11 @@ def test_a_dying_rank_stops_the_whole_job(tmp_path, cache):
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, "the run did not start training"
             time.sleep(0.5)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "megatron_recipes.train" in " ".join(p.cmdline())]
-        assert len(workers) == 2, [p.cmdline() for p in workers]
+        # the CPU lane forks the ranks from the launcher's preloaded server (runtime/local_launch.py): its children,
+        # with its command line
+        server = [p for p in psutil.Process(proc.pid).children() if "multiprocessing.forkserver" in " ".join(p.cmdline())]
+        workers = [child for p in server for child in p.children()]
+        assert len(server) == 1 and len(workers) == 2, [p.cmdline() for p in psutil.Process(proc.pid).children(recursive=True)]
         workers[1].send_signal(signal.SIGKILL)
         code = proc.wait(timeout=120)  # the job must end, not hang in a collective
         assert code != 0

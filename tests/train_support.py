@@ -121,11 +121,11 @@ def train(
 
 def _forked(run_dir: Path, cmd: List[str], nproc: int, timeout: float, env: Optional[Dict[str, str]]) -> Run:
     """The ranks of ``python -m megatron_recipes.train ...`` forked from the session's preloaded server, with
-    the environment a launcher gives them (as ``check`` starts its runs: check/ranks.py): the same entry and
+    the environment a launcher gives them (as ``check`` starts its runs: runtime/ranks.py): the same entry and
     trainer as under torchrun, without paying the imports of torch and megatron-core again per process."""
     import tempfile
 
-    from megatron_recipes.check import ranks
+    from megatron_recipes.runtime import ranks
 
     fd, log = tempfile.mkstemp(prefix="train-", suffix=".log")
     os.close(fd)

@@ -207,7 +207,7 @@ def main(argv: List[str]) -> int:
     given = args.flags.get("dir")
     output_dir(recipe_cfg, Path(given) if given else None)  # refused before the ranks' server starts
     # the ranks' server imports torch, megatron-core (and the tokenizer's library) while this process plans
-    from megatron_recipes.check import ranks
+    from megatron_recipes.runtime import ranks
 
     ranks.context(tokenizers=recipe_cfg.data.kind == "sft")
     try:

@@ -2,7 +2,7 @@
 
 Why separate processes running the real entry point: the proof must cover what a user runs (composition,
 rule table, the trainer on real gloo ranks, checkpoints), not a re-creation of it. The ranks are forked
-from one preloaded server (check/ranks.py), so a run does not pay the imports again. Per-step numbers come
+from one preloaded server (runtime/ranks.py), so a run does not pay the imports again. Per-step numbers come
 from each run's ``log.jsonl`` (also read while a run goes, for its progress bar); the full output of each
 run is kept next to it (``<run>.log``). Runs that do not need each other's checkpoints go side by side
 (``train_together``): a second core overlaps them.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from megatron_recipes.check import ranks
+from megatron_recipes.runtime import ranks
 from megatron_recipes.progress import Progress
 from megatron_recipes.training.sinks import step_records
 
@@ -46,7 +46,7 @@ class RunResult:
 
 def _env(threads: Optional[int] = None) -> Dict[str, str]:
     env = dict(os.environ)
-    # A rendezvous left in this environment must not leak into the ranks (check/ranks.py sets their own).
+    # A rendezvous left in this environment must not leak into the ranks (runtime/ranks.py sets their own).
     for name in ranks.LAUNCHER_VARS:
         env.pop(name, None)
     if threads is not None and "OMP_NUM_THREADS" not in env:  # runs side by side share the cores
@@ -110,7 +110,7 @@ def _threads(job: Job, jobs: Sequence[Job]) -> Optional[int]:
 
 def train_together(jobs: Sequence[Job], recipe: str, timeout: float, progress: bool = True,
                    entry: Sequence[str] = ENTRY) -> List[RunResult]:
-    """Run independent ``jobs`` side by side (``job.ranks`` ranks each, forked by check/ranks.py, output to
+    """Run independent ``jobs`` side by side (``job.ranks`` ranks each, forked by runtime/ranks.py, output to
     ``<run_dir>.log``) and return their results in ``jobs``' order. One progress bar counts their steps
     together. On timeout or Ctrl-C every run still going is stopped with the process groups of its
     ranks (whatever they started too): exit 124. ``entry``: what ``python`` runs (``-m module`` or a script)."""

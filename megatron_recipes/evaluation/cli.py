@@ -213,7 +213,8 @@ def main(argv: List[str]) -> int:
 
     patches.apply("process")
     from megatron_recipes.convert import layout as layouts
-    from megatron_recipes.training.cli import quiet_known_warnings, spawn_local, under_launcher
+    from megatron_recipes.runtime.local_launch import spawn_local
+    from megatron_recipes.training.cli import quiet_known_warnings, under_launcher
 
     quiet_known_warnings()
     plan = prepare(argv)

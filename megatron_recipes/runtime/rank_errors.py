@@ -2,7 +2,7 @@
 
 Why: when a problem with the user's input shows only once the ranks run (a file one rank reads, a
 checkpoint a stage loads), every rank used to print it, interleaved with torch elastic's own failure lines.
-Under the local launcher (``training.cli.spawn_local``) each rank hands its message to a folder the
+Under the local launcher (``runtime/local_launch.py``) each rank hands its message to a folder the
 launcher names; the launcher prints the first failing rank's message once, saying which other ranks
 failed the same way. A rank started any other way (torchrun, Slurm) prints its message itself, rank-tagged.
 """

@@ -82,7 +82,8 @@ def main(argv: List[str]) -> int:
     from megatron_recipes.data.prompts import PromptMaker, run_tokenizer
     from megatron_recipes.data.tokenizer import check_fits_model
     from megatron_recipes.generate.cli import default_dtype, layout_for
-    from megatron_recipes.training.cli import quiet_known_warnings, spawn_local, under_launcher
+    from megatron_recipes.runtime.local_launch import spawn_local
+    from megatron_recipes.training.cli import quiet_known_warnings, under_launcher
 
     quiet_known_warnings()
     if args.flags.get("trust-checkpoint"):

@@ -2,10 +2,11 @@
 
 Under a launcher (torchrun or Slurm set ``RANK``) this process is one rank and trains. Started by
 hand on a single node, it validates the recipe once and then starts ``cluster.gpus_per_node`` ranks
-itself through torchrun's own launcher (``--standalone``), which also stops every rank when one dies;
-its exit code is the job's. Multi-node jobs are started per node by torchrun or ``megatron-recipes slurm``. ``-m`` (``--multirun``)
-with comma lists (``optimizer.lr=1e-3,2e-3``) trains one run per combination, one after another, each in
-its own subfolder of ``run.dir`` (``config/sweep.py``).
+itself (runtime/local_launch.py: forked from a preloaded server on the CPU lane, through torchrun's own
+launcher with CUDA), stopping every rank when one dies; its exit code is the job's. Multi-node jobs are
+started per node by torchrun or ``megatron-recipes slurm``. ``-m`` (``--multirun``) with comma lists
+(``optimizer.lr=1e-3,2e-3``) trains one run per combination, one after another, each in its own subfolder
+of ``run.dir`` (``config/sweep.py``).
 """
 
 from __future__ import annotations
@@ -94,42 +95,6 @@ def _rank_count(cfg) -> int:
     return n
 
 
-def spawn_local(argv: Sequence[str], nproc: int, target: Sequence[str] = ("--module", "megatron_recipes.train")) -> int:
-    """Run ``nproc`` ranks of ``target`` (a module or script) with ``argv`` through torchrun; their exit code."""
-    import logging
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    from megatron_recipes.runtime import rank_errors
-
-    if "OMP_NUM_THREADS" not in os.environ:  # one share of the cores per rank (torchrun would pick 1)
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    launcher_args = ["--standalone", f"--nproc_per_node={nproc}", "--max_restarts=0", *target]
-    # torch elastic logs each failed rank at ERROR ("failed (exitcode: 2) local_rank: 1 ..."); the one line
-    # below says it, with the rank's own message
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    with rank_errors.collected() as folder:
-        try:
-            run(parse_args(launcher_args + list(argv)))
-        except ChildFailedError as exc:
-            codes = sorted({f.exitcode for f in exc.failures.values()}, key=lambda c: (c < 0, c))
-            told = rank_errors.summary(folder)
-            if told:
-                print(told, file=sys.stderr)
-            else:
-                first = min(exc.failures.values(), key=lambda f: f.local_rank)
-                print(f"error: rank {first.local_rank} failed (exit code {first.exitcode}); the other ranks were stopped",
-                      file=sys.stderr)
-            code = codes[0]
-            return code if 0 < code < 128 else 1
-        except SignalException as exc:
-            print(f"stopped by signal {exc.sigval.name}; the ranks were stopped", file=sys.stderr)
-            return 128 + int(exc.sigval)
-    return 0
-
-
 def main(argv: List[str]) -> int:
     """Entry of ``megatron-recipes train`` and ``python -m megatron_recipes.train``."""
     quiet_known_warnings()
@@ -169,4 +134,6 @@ def main(argv: List[str]) -> int:
     world = derived.world_size(cfg)
     if world == 1:
         return run_rank(recipe, cfg, validated=True)
+    from megatron_recipes.runtime.local_launch import spawn_local
+
     return spawn_local(argv, _rank_count(cfg))

@@ -1,4 +1,5 @@
-"""Imported once, by the server that forks every rank of a check's runs (check/ranks.py).
+"""Imported once, by the server that forks the ranks of check runs, of local runs on the CPU lane and of the
+tests (runtime/ranks.py).
 
 Why: a tiny check run is mostly interpreter start-up (torch, megatron-core, Hydra, the trainer: ~4 s of
 CPU each, and torch's compiler stack again when the optimizer is built). Imported here once, each rank

@@ -1,16 +1,16 @@
-"""The ranks of a check's runs: real processes, forked from one server that imported the stack once.
+"""Ranks forked from one server that imported the stack once: a check's runs, the local launcher's ranks on
+the CPU lane (runtime/local_launch.py) and the tests' ranks.
 
 Why: a tiny check is mostly interpreter start-up. Started as ``python -m megatron_recipes.train``, every
 run paid ~4 s of CPU importing torch, megatron-core, Hydra and the trainer, and a multi-rank run paid it
 once more per rank (``train``'s own process validating, then each torchrun rank). Here every rank of every
-run is forked from one ``forkserver`` (check/preload.py) started when the check starts, so the imports
-overlap the check's own planning and are paid once. A rank still is its own process, starting from the
-state a fresh interpreter reaches after those imports, with the environment a launcher gives it
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), its output in the run's log, in its own
+run is forked from one ``forkserver`` (training/rank_preload.py) started when the check starts, so the
+imports overlap the check's own planning and are paid once. A rank still is its own process, starting from
+the state a fresh interpreter reaches after those imports, with the environment a launcher gives it (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), its output in the run's log (or the caller's), in its own
 process group (a stopped run takes every process its ranks started with it), and it runs the very
 entry a user runs (``python -m megatron_recipes.train <recipe> [overrides]``): composition, the rule
-table, the trainer, checkpoints over gloo. Not exercised here: ``train``'s own local launcher (torchrun),
-which the check replaces by starting the ranks itself; the train command's tests cover it.
+table, the trainer, checkpoints over gloo.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Dict, Optional, Sequence
 
 from megatron_recipes.runtime.distributed import free_port
 
-PRELOAD = ["megatron_recipes.check.preload"]
+PRELOAD = ["megatron_recipes.training.rank_preload"]
 # What a run with a Hugging Face tokenizer (fine-tuning data) loads it with: ~2 s of CPU per rank otherwise.
 TOKENIZER_PRELOAD = ["transformers.models.auto.tokenization_auto", "transformers.tokenization_utils_tokenizers"]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
@@ -66,17 +66,20 @@ def stop() -> None:
     server._stop()
 
 
-def _rank(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: str, cwd: Optional[str] = None) -> None:
-    """One rank, in the forked child: the run's environment, folder and log, then ``python <entry> <argv>``."""
+def _rank(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: Optional[str],
+          cwd: Optional[str] = None) -> None:
+    """One rank, in the forked child: the run's environment, folder and log (None: the output the server
+    inherited from the command that started it), then ``python <entry> <argv>``."""
     os.setpgid(0, 0)  # its own group: stopping the run stops whatever this rank starts (checkpoint writers)
     if cwd is not None:
         os.chdir(cwd)
     os.environ.clear()  # the server's environment is that of its start: take the run's
     os.environ.update(env)
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    if log is not None:
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
     random.seed()  # a fresh interpreter seeds these from OS entropy; forked ones would share the server's
@@ -117,10 +120,11 @@ class Run:
     As torchrun does, the first rank that fails stops the others (a rank would wait for a dead peer
     until the gloo timeout); the run's code is that rank's (a signal or a code above 127 becomes 1)."""
 
-    def __init__(self, ctx, entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: str, ranks: int,
-                 cwd: Optional[str] = None):
+    def __init__(self, ctx, entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: Optional[str],
+                 ranks: int, cwd: Optional[str] = None):
         self.args = [sys.executable, *entry, *argv]
         self.returncode: Optional[int] = None
+        self.failed_rank: Optional[int] = None  # the first rank seen failing
         self._failed: Optional[int] = None
         base = {k: v for k, v in env.items() if k not in LAUNCHER_VARS}
         if ranks > 1:
@@ -142,7 +146,8 @@ class Run:
             return self.returncode
         codes = [p.exitcode for p in self.procs]
         if self._failed is None:
-            self._failed = next((c for c in codes if c not in (None, 0)), None)
+            self.failed_rank = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
+            self._failed = None if self.failed_rank is None else codes[self.failed_rank]
             if self._failed is not None and None in codes:
                 self.kill()
                 codes = [p.exitcode for p in self.procs]
@@ -161,6 +166,18 @@ class Run:
             connection.wait([p.sentinel for p in self.procs if p.exitcode is None], left)
         return self.returncode
 
+    def signal(self, signum: int) -> None:
+        """``signum`` to every running rank's process group (each rank with what it started)."""
+        for proc in self.procs:
+            if proc.exitcode is None:
+                try:
+                    os.killpg(proc.pid, signum)
+                except (ProcessLookupError, PermissionError):  # ended, or just forked and not yet its group's leader
+                    try:
+                        os.kill(proc.pid, signum)
+                    except ProcessLookupError:
+                        pass
+
     def kill(self) -> None:
         """SIGKILL to every rank's process group (each rank with what it started); waits for the ranks."""
         for proc in self.procs:
@@ -170,8 +187,9 @@ class Run:
             _kill_group(proc.pid, running=False)  # a child the rank started just before it died
 
 
-def start(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: str, ranks: int,
+def start(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: Optional[str], ranks: int,
           cwd: Optional[str] = None) -> Run:
-    """The ranks of one run, forked from the server (``cwd``: the folder they run in; default the server's)."""
+    """The ranks of one run, forked from the server (``log``: their output's file, None for the caller's own;
+    ``cwd``: the folder they run in; default the server's)."""
     return Run(context(), entry, argv, env, log, ranks, cwd)
 
