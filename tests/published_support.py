@@ -162,6 +162,13 @@ def overrides(row: Row, num_layers: int) -> tuple[Optional[List[str]], str]:
 
 
 def unmodelled(row: Row) -> tuple:
-    """What the published run used that the plan of the row does not model."""
+    """What the published run used that the plan of the row does not model. The EP exchange's achieved rate
+    is fitted to DGX-H100 rows alone (estimate/rates.py): on other systems it is the H100 figure applied to
+    their links, whatever kernel (HybridEP, DeepEP) the run used."""
     run = RUNS.get((row.system, row.model))
-    return run.unmodelled if run else ()
+    if run is None:
+        return ()
+    if row.ep and row.system != "DGX-H100":
+        kernel = run.backend if run.dispatcher == "flex" else run.dispatcher
+        return run.unmodelled + (f"{kernel} exchange rate on {row.system} (EP calibrated on DGX-H100 only)",)
+    return run.unmodelled

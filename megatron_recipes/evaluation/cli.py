@@ -221,7 +221,7 @@ def main(argv: List[str]) -> int:
     world = layouts.min_world_size(plan.layout)
     if not under_launcher() and world > 1:
         sys.stdout.flush()
-        return spawn_local(argv, world, target=("--module", "megatron_recipes.evaluation"))
+        return spawn_local(argv, world, target=("--module", "megatron_recipes.evaluation"), tokenizers=True)
     results = evaluate_here(plan)
     if results is not None:
         show(plan, results)

@@ -153,4 +153,4 @@ def main(argv: List[str]) -> int:
     if world == 1:  # this process is the only rank (its one-rank group takes a port of its own)
         return run_here(job, maker, encoded, opts, flags)
     sys.stdout.flush()
-    return spawn_local(argv, world, target=("--module", "megatron_recipes.generate"))
+    return spawn_local(argv, world, target=("--module", "megatron_recipes.generate"), tokenizers=True)

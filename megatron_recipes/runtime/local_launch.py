@@ -25,13 +25,15 @@ STOPPING_GRACE_S = 30.0  # a signalled rank's time to stop before SIGKILL, as to
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # what torchrun's agent passes on
 
 
-def spawn_local(argv: Sequence[str], nproc: int, target: Sequence[str] = ("--module", "megatron_recipes.train")) -> int:
-    """Run ``nproc`` ranks of ``target`` (a module or a script) with ``argv``; their exit code."""
+def spawn_local(argv: Sequence[str], nproc: int, target: Sequence[str] = ("--module", "megatron_recipes.train"),
+                tokenizers: bool = False) -> int:
+    """Run ``nproc`` ranks of ``target`` (a module or a script) with ``argv``; their exit code. ``tokenizers``:
+    the ranks load a Hugging Face tokenizer (forked ranks then find transformers' loading imported)."""
     import torch
 
     if torch.cuda.is_available():
         return torchrun_ranks(argv, nproc, target)
-    return forked_ranks(argv, nproc, target)
+    return forked_ranks(argv, nproc, target, tokenizers)
 
 
 def _share_the_cores(nproc: int) -> None:
@@ -73,7 +75,7 @@ def torchrun_ranks(argv: Sequence[str], nproc: int, target: Sequence[str]) -> in
     return 0
 
 
-def forked_ranks(argv: Sequence[str], nproc: int, target: Sequence[str]) -> int:
+def forked_ranks(argv: Sequence[str], nproc: int, target: Sequence[str], tokenizers: bool = False) -> int:
     """The ranks forked from the preloaded server, their output this command's own."""
     from megatron_recipes.runtime import rank_errors, ranks
 
@@ -89,7 +91,7 @@ def forked_ranks(argv: Sequence[str], nproc: int, target: Sequence[str]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     with rank_errors.collected() as folder:
-        job = ranks.start(entry, argv, dict(os.environ), None, nproc)
+        job = ranks.start(entry, argv, dict(os.environ), None, nproc, tokenizers=tokenizers)
         previous = {sig: signal.signal(sig, pass_on) for sig in SIGNALS}
         try:
             stop_by = None

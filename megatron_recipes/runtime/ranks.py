@@ -188,8 +188,8 @@ class Run:
 
 
 def start(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: Optional[str], ranks: int,
-          cwd: Optional[str] = None) -> Run:
+          cwd: Optional[str] = None, tokenizers: bool = False) -> Run:
     """The ranks of one run, forked from the server (``log``: their output's file, None for the caller's own;
-    ``cwd``: the folder they run in; default the server's)."""
-    return Run(context(), entry, argv, env, log, ranks, cwd)
+    ``cwd``: the folder they run in, default the server's; ``tokenizers``: as for ``context``)."""
+    return Run(context(tokenizers), entry, argv, env, log, ranks, cwd)
 

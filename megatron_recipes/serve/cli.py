@@ -96,7 +96,7 @@ def main(argv: List[str]) -> int:
     if not under_launcher() and world > 1:
         _listen(opts.host, opts.port).close()  # a taken port is refused before the ranks start
         sys.stdout.flush()
-        return spawn_local(argv, world, target=("--module", "megatron_recipes.serve"))
+        return spawn_local(argv, world, target=("--module", "megatron_recipes.serve"), tokenizers=True)
 
     @lru_cache(maxsize=None)
     def makers(kind: str, stops: tuple):
