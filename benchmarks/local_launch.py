@@ -22,7 +22,8 @@ from pathlib import Path
 
 def launch(launcher: str, run_dir: Path, iters: int) -> tuple:
     argv = ["tiny_llama_cpu", f"run.dir={run_dir}", f"train.train_iters={iters}", "optimizer.lr_warmup_iters=1",
-            "checkpoint.save=false", "logging.eval_interval=0", "logging.log_interval=1"]
+            "checkpoint.save=false", f"logging.eval_interval={iters}", "logging.eval_iters=1",
+            "logging.log_interval=1"]
     code = (f"import sys; from megatron_recipes.runtime.local_launch import {launcher}; "
             f"sys.exit({launcher}({argv!r}, 2, ('--module', 'megatron_recipes.train')))")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
