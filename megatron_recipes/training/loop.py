@@ -11,9 +11,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from megatron_recipes import checkpoint, files
 from megatron_recipes.config import derived
@@ -32,6 +31,7 @@ from megatron_recipes.training import (
     sinks,
     step,
 )
+from megatron_recipes.training.metrics import Window
 from megatron_recipes.training.preemption import PreemptionWatcher
 from megatron_recipes.training.preflight import NothingToTrain, preflight, validate  # noqa: F401 (the entry's names)
 
@@ -50,31 +50,6 @@ def write_config(cfg: RunConfig, run_dir: Path, start_step: int) -> None:
     text = to_yaml(cfg)
     files.write_text(run_dir / CONFIGS / f"start_step_{start_step:07d}.yaml", text)
     files.write_text(run_dir / "config.yaml", text)
-
-
-@dataclass
-class Window:
-    """Metrics accumulated between two log lines."""
-
-    losses: List[float] = field(default_factory=list)
-    mtp_losses: List[List[float]] = field(default_factory=list)  # per step: one per MTP layer
-    seconds: float = 0.0
-    skipped: int = 0
-
-    def add(self, result: step.StepResult, seconds: float) -> None:
-        self.losses.append(result.loss)
-        if result.mtp_losses is not None:
-            self.mtp_losses.append(result.mtp_losses)
-        self.seconds += seconds
-        self.skipped += int(result.skipped)
-
-    def mtp_metrics(self) -> Dict[str, float]:
-        """``mtp_<k>_loss``: MTP layer k's loss averaged over the window, as the main loss is (Megatron-LM's
-        ``mtp_<k> loss``)."""
-        if not self.mtp_losses:
-            return {}
-        return {f"mtp_{k + 1}_loss": sum(step_[k] for step_ in self.mtp_losses) / len(self.mtp_losses)
-                for k in range(len(self.mtp_losses[0]))}
 
 
 class Trainer:
