@@ -28,6 +28,7 @@ PATTERNS = (  # regular expressions searched in the warning's text
     r"`load_state_dict` is deprecated and will be removed",
     r"Please use DTensor instead and we are deprecating ShardedTensor",
     r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to (load|save) in a single process",
+    r"MimoModelConfig is experimental",  # megatron-core 0.19's optimizer builder imports its MIMO model on every build
 )
 VERBOSE_ENV = "MEGATRON_RECIPES_VERBOSE"
 TALLY_ENV = "MEGATRON_RECIPES_WARNING_TALLY"  # the folder the processes of one command count in
