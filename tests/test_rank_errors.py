@@ -78,3 +78,20 @@ def test_summary_tells_different_errors_apart(tmp_path):
     (tmp_path / "rank000000.txt").write_text("a broke")
     (tmp_path / "rank000001.txt").write_text("a broke")
     assert summary(tmp_path) == "error: a broke\n  (ranks 0, 1 all failed with this)\n  other ranks failed differently: rank 2: b broke"
+
+
+@pytest.mark.parametrize("cuda", [True, False], ids=["cuda-torchrun", "cpu-lane-forked"])
+def test_the_local_launcher_forks_ranks_only_without_cuda(monkeypatch, cuda):
+    """A server that imported Transformer Engine may have initialised CUDA, which a forked rank cannot use: on a
+    machine with CUDA the ranks must start through torchrun (the CPU lane cannot run that machine's path)."""
+    import torch
+
+    from megatron_recipes.runtime import local_launch
+
+    started = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(local_launch, "torchrun_ranks", lambda *a: started.append(("torchrun", a)) or 0)
+    monkeypatch.setattr(local_launch, "forked_ranks", lambda *a: started.append(("forked", a)) or 0)
+    assert local_launch.spawn_local(["r"], 2, ("--module", "m"), tokenizers=True) == 0
+    assert started == ([("torchrun", (["r"], 2, ("--module", "m")))] if cuda
+                       else [("forked", (["r"], 2, ("--module", "m"), True))])
