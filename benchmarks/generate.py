@@ -50,10 +50,9 @@ def ours(ckpt: str, batch: int, new_tokens: int) -> dict:
     from megatron_recipes.config.schema import ParallelConfig
     from megatron_recipes.generate.engine import Job, Sampling, generate_ids, model_for
     from megatron_recipes.runtime import patches
-    from megatron_recipes.runtime.distributed import free_port, shutdown
+    from megatron_recipes.runtime.distributed import shutdown
 
     patches.apply("process")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     rows = prompts(batch)
     job = Job(ckpt, ParallelConfig(), "fp32", rows, Sampling(new_tokens, 0.0, 0, 0.0, 1234), -1, batch)
     loaded = model_for(ckpt, ParallelConfig(), "fp32")

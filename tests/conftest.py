@@ -87,7 +87,8 @@ def shared_runs(tmp_path_factory) -> SharedRuns:
     return SharedRuns(tmp_path_factory)
 
 
-RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+              "TORCHELASTIC_USE_AGENT_STORE")
 
 
 @pytest.fixture(autouse=True)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from megatron_recipes.runtime.distributed import free_port
+from megatron_recipes.runtime.distributed import hosted_store
 
 
 class RankFailed(AssertionError):
@@ -60,7 +60,8 @@ def _reseed_numpy() -> None:
 
 
 def _rank_entry(
-    fn, rank: int, world: int, port: int, caller_env: Dict[str, str], env: Dict[str, str], args: tuple, results,
+    fn, rank: int, world: int, rendezvous: Dict[str, str], caller_env: Dict[str, str], env: Dict[str, str], args: tuple,
+    results,
     fault_path: str = "",
 ) -> None:
     if fault_path:  # a native crash (abort, segfault) leaves every thread's Python stack here for the parent
@@ -69,9 +70,7 @@ def _rank_entry(
         faulthandler.enable(file=_FAULT_FILE, all_threads=True)
     os.environ.clear()  # the forkserver's environment is the one of its start: take the caller's, now
     os.environ.update(caller_env)
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    os.environ.update(rendezvous, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(env)
     torch.set_num_threads(1)
     torch.seed()  # a fresh interpreter's generators are seeded from OS entropy; forked ones share the server's
@@ -111,12 +110,12 @@ def run_ranks(
     """``fn(*args)`` on ``world_size`` ranks; per-rank return values, or RankFailed naming the rank."""
     ctx = _context()
     results = ctx.Queue()
-    port = free_port()
+    store, rendezvous = hosted_store(world_size)  # the ranks' rendezvous, held here until they end
     faults = tempfile.TemporaryDirectory(prefix="ranks-")
     fault_paths = [os.path.join(faults.name, f"rank{rank}.fault") for rank in range(world_size)]
     procs = [
         # Not daemonic: megatron-core's checkpoint writer forks worker processes from each rank.
-        ctx.Process(target=_rank_entry, args=(fn, rank, world_size, port, dict(os.environ), dict(env or {}), args,
+        ctx.Process(target=_rank_entry, args=(fn, rank, world_size, rendezvous, dict(os.environ), dict(env or {}), args,
                                               results, fault_paths[rank]))
         for rank in range(world_size)
     ]

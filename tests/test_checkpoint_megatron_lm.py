@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import checkpoint_support as cs
-from multiproc import free_port, run_ranks
+from multiproc import run_ranks
 
 FIXTURE = Path(__file__).parent / "data" / "megatron_lm" / "tiny_llama"
 ITER = FIXTURE / "iter_0000004"
@@ -232,7 +232,8 @@ def test_resume_and_pretrained_from_megatron_lm_and_our_saves_carry_its_keys(tmp
 
 def _fresh_env() -> dict:
     """This process's environment without a rendezvous an earlier test left in it (a stale MASTER_PORT)."""
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_USE_AGENT_STORE")
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
@@ -304,7 +305,7 @@ def test_megatron_lm_load_checkpoint_resumes_ours(tmp_path):
 
     (root,) = run_ranks(_ours_at_step_3, 1, str(tmp_path))
     out = tmp_path / "mlm"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                str(Path(__file__).parent / "megatron_lm_shim.py"), *MLM_MODEL.split(), "--load", root, "--save", str(out),
                "--save-interval", "2", "--train-iters", "3", "--use-checkpoint-opt_param-scheduler", "--no-load-rng",
                "--dist-ckpt-optim-fully-reshardable", "--exit-on-missing-checkpoint"]

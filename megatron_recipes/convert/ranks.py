@@ -13,21 +13,20 @@ import os
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Dict, Sequence
 
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.runtime.distributed import free_port
+from megatron_recipes.runtime.distributed import hosted_store
 
 
-def _entry(rank: int, fn: Callable[..., None], world: int, port: int, status_dir: str, args: Sequence[Any]) -> None:
+def _entry(rank: int, fn: Callable[..., None], world: int, rendezvous: Dict[str, str], status_dir: str,
+           args: Sequence[Any]) -> None:
     from megatron_recipes.runtime.known_warnings import quiet
 
     quiet()  # counted in the command's tally
     import torch
 
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    os.environ.update(rendezvous, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     if not torch.cuda.is_available():  # CPU ranks share the cores; oversubscribed threads only slow them down
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     status = {"ok": True}
@@ -47,9 +46,11 @@ def run_ranks(fn: Callable[..., None], world: int, *args: Any) -> None:
     """``fn(*args)`` on ``world`` spawned ranks; returns when all succeeded, raises otherwise."""
     import torch.multiprocessing as mp
 
+    store, rendezvous = hosted_store(world)  # held here until every rank ended
     with tempfile.TemporaryDirectory(prefix="mr-ranks-") as status_dir:
         try:
-            mp.start_processes(_entry, args=(fn, world, free_port(), status_dir, args), nprocs=world, start_method="spawn")
+            mp.start_processes(_entry, args=(fn, world, rendezvous, status_dir, args), nprocs=world,
+                               start_method="spawn")
         except Exception as exc:
             for rank in range(world):
                 path = Path(status_dir, f"rank{rank}.json")

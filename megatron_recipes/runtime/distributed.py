@@ -1,15 +1,15 @@
 """Process groups: torch.distributed + megatron-core's parallel_state, from a recipe.
 
 One place decides the device and backend: NCCL on CUDA, gloo plus the CPU lane when CUDA is absent.
-Works under torchrun (reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*) and as a single process (a one-rank
-group on a free local port), which conversion and tests use.
+Works under torchrun (reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*), under our own local launchers (which host
+the rendezvous store, ``hosted_store``) and as a single process (a one-rank group, in memory), which
+conversion and tests use.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -34,10 +34,17 @@ class Runtime:
     cpu_lane: bool
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def hosted_store(world_size: int) -> "tuple[dist.TCPStore, dict[str, str]]":
+    """The rendezvous store a launcher hosts for the local ranks it starts, as torchrun's agent does, and the
+    environment that points the ranks at it (all of them connect as clients; keep the store until they end).
+
+    Why: a port picked free, released, and bound again later by rank 0 could be taken in between by any other
+    process on the machine (an outgoing connection gets a port from the same range): the run then failed with
+    EADDRINUSE, as CI saw with two test workers starting runs side by side. Here the kernel gives the port
+    while the store is bound to it, so there is no window."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    return store, env
 
 
 def _env_int(name: str, default: int) -> int:

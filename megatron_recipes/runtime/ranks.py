@@ -26,12 +26,13 @@ import time
 from multiprocessing import connection
 from typing import Dict, Optional, Sequence
 
-from megatron_recipes.runtime.distributed import free_port
+from megatron_recipes.runtime.distributed import hosted_store
 
 PRELOAD = ["megatron_recipes.training.rank_preload"]
 # What a run with a Hugging Face tokenizer (fine-tuning data) loads it with: ~2 s of CPU per rank otherwise.
 TOKENIZER_PRELOAD = ["transformers.models.auto.tokenization_auto", "transformers.tokenization_utils_tokenizers"]
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_USE_AGENT_STORE")
 
 
 def context(tokenizers: bool = False):
@@ -127,9 +128,10 @@ class Run:
         self.failed_rank: Optional[int] = None  # the first rank seen failing
         self._failed: Optional[int] = None
         base = {k: v for k, v in env.items() if k not in LAUNCHER_VARS}
+        self.store = None  # the ranks' rendezvous, hosted here while they run (as torchrun's agent hosts it)
         if ranks > 1:
-            base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks),
-                        LOCAL_WORLD_SIZE=str(ranks))
+            self.store, rendezvous = hosted_store(ranks)
+            base.update(rendezvous, WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
         self.procs = []
         for rank in range(ranks):
             rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank)) if ranks > 1 else base
@@ -155,6 +157,7 @@ class Run:
             return None
         code = self._failed or 0
         self.returncode = code if 0 <= code < 128 else 1
+        self.store = None  # every rank ended: the port is given back
         return self.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
