@@ -83,7 +83,8 @@ def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})}
     # The trainer starts its own ranks; a rendezvous left in this process's environment (other tests'
     # one-rank groups) must not leak into them.
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_USE_AGENT_STORE"):
         env.pop(name, None)
     return env
 
