@@ -1,32 +1,39 @@
-"""Run a function on N local ranks (fresh processes, gloo on CPU / NCCL on GPU) and collect failures.
+"""Run a function on N local ranks (gloo on CPU / NCCL on GPU) and collect failures.
 
 Conversion itself needs no process group; verification and resharding checks do, at whatever layout
-the user names. Each rank is a spawned interpreter with the usual torchrun environment, so
-``runtime.distributed.init_model_parallel`` works unchanged. A ``RecipeError`` raised on any rank is
-re-raised here with its message; other failures name the rank.
+the user names. Each rank is its own process with the usual torchrun environment, so
+``runtime.distributed.init_model_parallel`` works unchanged. On the CPU lane the ranks fork from the
+preloaded server (runtime/ranks.py), as the local launcher's do: a spawned rank paid 3-8 s of CPU importing
+torch, megatron-core and transformers again, per rank. With CUDA they are fresh interpreters (a server that
+imported Transformer Engine may have initialised CUDA, which a forked process could not use). A
+``RecipeError`` raised on any rank is re-raised here with its message; other failures name the rank.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import sys
 import tempfile
 import traceback
+from multiprocessing import connection
 from pathlib import Path
-from typing import Any, Callable, Dict, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from megatron_recipes.config.errors import RecipeError
 from megatron_recipes.runtime.distributed import hosted_store
 
 
-def _entry(rank: int, fn: Callable[..., None], world: int, rendezvous: Dict[str, str], status_dir: str,
+def _entry(rank: int, fn: Callable[..., None], world: int, env: Dict[str, str], status_dir: str,
            args: Sequence[Any]) -> None:
+    os.environ.clear()  # a forked rank starts with the server's environment: take the caller's
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     from megatron_recipes.runtime.known_warnings import quiet
 
     quiet()  # counted in the command's tally
     import torch
 
-    os.environ.update(rendezvous, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     if not torch.cuda.is_available():  # CPU ranks share the cores; oversubscribed threads only slow them down
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     status = {"ok": True}
@@ -34,32 +41,67 @@ def _entry(rank: int, fn: Callable[..., None], world: int, rendezvous: Dict[str,
         fn(*args)
     except RecipeError as exc:
         status = {"ok": False, "recipe_error": [exc.message, exc.fix]}
-        raise
-    except BaseException as exc:
+    except BaseException as exc:  # the caller says it once, with the rank's traceback
         status = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        raise
-    finally:
-        Path(status_dir, f"rank{rank}.json").write_text(json.dumps(status))
+    Path(status_dir, f"rank{rank}.json").write_text(json.dumps(status))
+    atexit._run_exitfuncs()  # what a fresh interpreter runs at its exit (a forked rank would not)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if not status["ok"]:
+        os._exit(1)
+
+
+def _context():
+    import multiprocessing
+
+    import torch
+
+    if torch.cuda.is_available():
+        return multiprocessing.get_context("spawn")
+    from megatron_recipes.runtime import ranks
+
+    return ranks.context()
+
+
+def _first_failure(procs) -> Optional[int]:
+    """Wait for the ranks; at the first that fails, stop the others (they would wait for it in a collective
+    until the timeout). The failed rank, or None."""
+    running = list(procs)
+    while running:
+        connection.wait([p.sentinel for p in running])
+        for proc in [p for p in running if p.exitcode is not None]:
+            running.remove(proc)
+            if proc.exitcode != 0:
+                for other in running:
+                    other.kill()
+                for other in procs:
+                    other.join()
+                return procs.index(proc)
+    return None
 
 
 def run_ranks(fn: Callable[..., None], world: int, *args: Any) -> None:
-    """``fn(*args)`` on ``world`` spawned ranks; returns when all succeeded, raises otherwise."""
-    import torch.multiprocessing as mp
-
+    """``fn(*args)`` on ``world`` local ranks; returns when all succeeded, raises otherwise."""
+    ctx = _context()
     store, rendezvous = hosted_store(world)  # held here until every rank ended
+    env = dict(os.environ, **rendezvous)
     with tempfile.TemporaryDirectory(prefix="mr-ranks-") as status_dir:
-        try:
-            mp.start_processes(_entry, args=(fn, world, rendezvous, status_dir, args), nprocs=world,
-                               start_method="spawn")
-        except Exception as exc:
-            for rank in range(world):
-                path = Path(status_dir, f"rank{rank}.json")
-                if not path.exists():
-                    continue
-                status = json.loads(path.read_text())
-                if "recipe_error" in status:
-                    message, fix = status["recipe_error"]
-                    raise RecipeError(message, fix=fix) from None
-                if not status["ok"]:
-                    raise RuntimeError(f"rank {rank} failed: {status['error']}\n{status['traceback']}") from None
-            raise RuntimeError(f"a rank died without reporting: {exc}") from None
+        procs = [ctx.Process(target=_entry, args=(rank, fn, world, env, status_dir, args), name=f"rank{rank}")
+                 for rank in range(world)]
+        for proc in procs:
+            proc.start()
+        failed = _first_failure(procs)
+        del store
+        if failed is None:
+            return
+        for rank in [failed, *range(world)]:
+            path = Path(status_dir, f"rank{rank}.json")
+            if not path.exists():
+                continue
+            status = json.loads(path.read_text())
+            if "recipe_error" in status:
+                message, fix = status["recipe_error"]
+                raise RecipeError(message, fix=fix) from None
+            if not status["ok"]:
+                raise RuntimeError(f"rank {rank} failed: {status['error']}\n{status['traceback']}") from None
+        raise RuntimeError(f"rank {failed} died without reporting (exit code {procs[failed].exitcode})")
