@@ -78,9 +78,11 @@ install_packages() {
   if [ ! -e /usr/sbin/policy-rc.d ]; then
     printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; no_services=1
   fi
-  apt-get install -y -q --no-install-recommends "${wanted[@]}" >> "$DIR/log/apt.log" 2>&1 \
-    || { apt-get update -q >> "$DIR/log/apt.log" 2>&1 \
-         && apt-get install -y -q --no-install-recommends "${wanted[@]}" >> "$DIR/log/apt.log" 2>&1; } \
+  # another apt (CI installs chromium beside the tests) holds the lock for a while: wait for it, do not fail
+  local apt=(apt-get -o DPkg::Lock::Timeout=600)
+  "${apt[@]}" install -y -q --no-install-recommends "${wanted[@]}" >> "$DIR/log/apt.log" 2>&1 \
+    || { "${apt[@]}" update -q >> "$DIR/log/apt.log" 2>&1 \
+         && "${apt[@]}" install -y -q --no-install-recommends "${wanted[@]}" >> "$DIR/log/apt.log" 2>&1; } \
     || { [ -z "$no_services" ] || rm -f /usr/sbin/policy-rc.d; echo "local_cluster: apt-get install failed, see $DIR/log/apt.log" >&2; exit 3; }
   [ -z "$no_services" ] || rm -f /usr/sbin/policy-rc.d
 }

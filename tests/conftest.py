@@ -107,6 +107,10 @@ def _rendezvous_stays_in_its_test():
 
 
 def pytest_configure(config) -> None:
+    if hasattr(config.option, "loadscopereorder"):
+        # pytest-xdist would hand out the files by their number of tests, most first, which put the Slurm file
+        # (3 tests, the longest) near the end: keep the order pytest_collection_modifyitems gives
+        config.option.loadscopereorder = False
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # the workers share the machine's cores: a reference forward in one worker must not take both
         import torch
@@ -114,18 +118,31 @@ def pytest_configure(config) -> None:
         torch.set_num_threads(1)
 
 
+# The longest files, longest first (per-file totals of `pytest --durations`, leg 1): under ``-n --dist loadfile``
+# a long file picked up last keeps one worker busy while the other has nothing left to run (leg 1 ended at
+# 70-80% CPU when the Slurm file came last). The LoRA runs test_eval builds are shared by test_serve and
+# test_eval_harness: those come a few files later, not beside it, so that no worker waits on the other's build.
+# A stale order costs minutes, never a result.
+LONGEST = ("test_slurm_cluster.py", "test_eval.py", "test_check_cli.py", "test_generate.py", "test_ep_overlap.py",
+           "test_peft_train.py", "test_convert_families.py", "test_serve.py", "test_eval_harness.py",
+           "test_train_resume.py", "test_train_cli.py", "test_recompute.py", "test_parallel_equivalence.py",
+           "test_peft_expert_export.py", "test_fuzz_recipes.py", "test_estimates_activations.py",
+           "test_context_parallel_training.py", "test_rules.py", "test_check_units.py")
+
+
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """Files with the longest kinds of tests first (the Slurm cluster, then multi-process ones), each
-    file's tests in their own order: under ``-n --dist loadfile`` a long file picked up last would leave
-    the other workers idle at the end of the run."""
+    """The longest files first (LONGEST), then files with the longest kinds of tests (the Slurm cluster, then
+    multi-process ones), each file's tests in their own order."""
 
     def weight(item) -> int:
+        if item.path.name in LONGEST:
+            return LONGEST.index(item.path.name)
         marks = {m.name for m in item.iter_markers()}
-        return 0 if "slurm" in marks else 1 if "slow" in marks else 2
+        return len(LONGEST) + (0 if "slurm" in marks else 1 if "slow" in marks else 2)
 
     heaviest: Dict[str, int] = {}
     for item in items:
         path = str(item.path)
-        heaviest[path] = min(heaviest.get(path, 2), weight(item))
+        heaviest[path] = min(heaviest.get(path, len(LONGEST) + 2), weight(item))
     order = {path: i for i, path in enumerate(dict.fromkeys(str(item.path) for item in items))}
     items.sort(key=lambda item: (heaviest[str(item.path)], order[str(item.path)]))
