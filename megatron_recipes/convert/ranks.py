@@ -17,18 +17,18 @@ import os
 import sys
 import tempfile
 import traceback
-from multiprocessing import connection
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Sequence
 
 from megatron_recipes.config.errors import RecipeError
-from megatron_recipes.runtime.distributed import hosted_store
 
 
-def _entry(rank: int, fn: Callable[..., None], world: int, env: Dict[str, str], status_dir: str,
-           args: Sequence[Any]) -> None:
-    os.environ.clear()  # a forked rank starts with the server's environment: take the caller's
-    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+def _entry(rank: int, fn: Callable[..., None], env: Dict[str, str], status_dir: str, args: Sequence[Any]) -> None:
+    os.environ.clear()  # a forked rank starts with the server's environment: take the caller's and the launcher's
+    os.environ.update(env)
+    for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", 1)):  # one rank: no launcher variables
+        os.environ.setdefault(name, str(value))
+    world = int(os.environ["WORLD_SIZE"])
     from megatron_recipes.runtime.known_warnings import quiet
 
     quiet()  # counted in the command's tally
@@ -63,37 +63,21 @@ def _context():
     return ranks.context()
 
 
-def _first_failure(procs) -> Optional[int]:
-    """Wait for the ranks; at the first that fails, stop the others (they would wait for it in a collective
-    until the timeout). The failed rank, or None."""
-    running = list(procs)
-    while running:
-        connection.wait([p.sentinel for p in running])
-        for proc in [p for p in running if p.exitcode is not None]:
-            running.remove(proc)
-            if proc.exitcode != 0:
-                for other in running:
-                    other.kill()
-                for other in procs:
-                    other.join()
-                return procs.index(proc)
-    return None
-
-
 def run_ranks(fn: Callable[..., None], world: int, *args: Any) -> None:
     """``fn(*args)`` on ``world`` local ranks; returns when all succeeded, raises otherwise."""
+    from megatron_recipes.runtime import ranks
+
     ctx = _context()
-    store, rendezvous = hosted_store(world)  # held here until every rank ended
-    env = dict(os.environ, **rendezvous)
+    envs, store = ranks.rank_environments(dict(os.environ), world)
     with tempfile.TemporaryDirectory(prefix="mr-ranks-") as status_dir:
-        procs = [ctx.Process(target=_entry, args=(rank, fn, world, env, status_dir, args), name=f"rank{rank}")
-                 for rank in range(world)]
+        procs = [ctx.Process(target=_entry, args=(rank, fn, env, status_dir, args), name=f"rank{rank}")
+                 for rank, env in enumerate(envs)]
         for proc in procs:
             proc.start()
-        failed = _first_failure(procs)
-        del store
-        if failed is None:
+        job = ranks.Run(procs, [fn.__name__], store)  # the first rank that fails stops the others
+        if job.wait() == 0:
             return
+        failed = job.failed_rank
         for rank in [failed, *range(world)]:
             path = Path(status_dir, f"rank{rank}.json")
             if not path.exists():

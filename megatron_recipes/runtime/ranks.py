@@ -121,23 +121,14 @@ class Run:
     As torchrun does, the first rank that fails stops the others (a rank would wait for a dead peer
     until the gloo timeout); the run's code is that rank's (a signal or a code above 127 becomes 1)."""
 
-    def __init__(self, ctx, entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: Optional[str],
-                 ranks: int, cwd: Optional[str] = None):
-        self.args = [sys.executable, *entry, *argv]
+    def __init__(self, procs, args: Sequence[str], store=None):
+        """``procs``: the ranks' processes, started; ``store``: their rendezvous, kept here while they run."""
+        self.args = list(args)
+        self.procs = list(procs)
+        self.store = store
         self.returncode: Optional[int] = None
         self.failed_rank: Optional[int] = None  # the first rank seen failing
         self._failed: Optional[int] = None
-        base = {k: v for k, v in env.items() if k not in LAUNCHER_VARS}
-        self.store = None  # the ranks' rendezvous, hosted here while they run (as torchrun's agent hosts it)
-        if ranks > 1:
-            self.store, rendezvous = hosted_store(ranks)
-            base.update(rendezvous, WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
-        self.procs = []
-        for rank in range(ranks):
-            rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank)) if ranks > 1 else base
-            proc = ctx.Process(target=_rank, args=(tuple(entry), tuple(argv), rank_env, log, cwd), name=f"rank{rank}")
-            proc.start()
-            self.procs.append(proc)
 
     @property
     def pid(self) -> int:
@@ -190,9 +181,26 @@ class Run:
             _kill_group(proc.pid, running=False)  # a child the rank started just before it died
 
 
+def rank_environments(env: Dict[str, str], ranks: int):
+    """Each rank's environment (``env`` with the launcher's variables of this run) and the rendezvous store they
+    meet on, hosted by the caller as torchrun's agent hosts it (None for one rank)."""
+    base = {k: v for k, v in env.items() if k not in LAUNCHER_VARS}
+    if ranks == 1:
+        return [base], None
+    store, rendezvous = hosted_store(ranks)
+    base.update(rendezvous, WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
+    return [dict(base, RANK=str(rank), LOCAL_RANK=str(rank)) for rank in range(ranks)], store
+
+
 def start(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: Optional[str], ranks: int,
           cwd: Optional[str] = None, tokenizers: bool = False) -> Run:
     """The ranks of one run, forked from the server (``log``: their output's file, None for the caller's own;
     ``cwd``: the folder they run in, default the server's; ``tokenizers``: as for ``context``)."""
-    return Run(context(tokenizers), entry, argv, env, log, ranks, cwd)
-
+    ctx = context(tokenizers)
+    envs, store = rank_environments(env, ranks)
+    procs = []
+    for rank, rank_env in enumerate(envs):
+        proc = ctx.Process(target=_rank, args=(tuple(entry), tuple(argv), rank_env, log, cwd), name=f"rank{rank}")
+        proc.start()
+        procs.append(proc)
+    return Run(procs, [sys.executable, *entry, *argv], store)
