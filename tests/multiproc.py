@@ -46,10 +46,11 @@ _FAULT_FILE = None  # this rank's faulthandler file (kept open for the process's
 
 def _context():
     """The test process's forkserver context: check's server (it starts at the first rank and serves every
-    later one, the trainer runs' ranks included)."""
+    later one, the trainer runs' ranks included). The session's ranks fine-tune with Hugging Face tokenizers and
+    build MoE models: the server imports what those load, once, instead of each such rank."""
     from megatron_recipes.runtime import ranks
 
-    return ranks.context()
+    return ranks.context(tokenizers=True, compiles=True)
 
 
 def _reseed_numpy() -> None:

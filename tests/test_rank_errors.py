@@ -92,6 +92,6 @@ def test_the_local_launcher_forks_ranks_only_without_cuda(monkeypatch, cuda):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(local_launch, "torchrun_ranks", lambda *a: started.append(("torchrun", a)) or 0)
     monkeypatch.setattr(local_launch, "forked_ranks", lambda *a: started.append(("forked", a)) or 0)
-    assert local_launch.spawn_local(["r"], 2, ("--module", "m"), tokenizers=True) == 0
+    assert local_launch.spawn_local(["r"], 2, ("--module", "m"), tokenizers=True, compiles=True) == 0
     assert started == ([("torchrun", (["r"], 2, ("--module", "m")))] if cuda
-                       else [("forked", (["r"], 2, ("--module", "m"), True))])
+                       else [("forked", (["r"], 2, ("--module", "m"), True, True))])

@@ -131,7 +131,8 @@ def _forked(run_dir: Path, cmd: List[str], nproc: int, timeout: float, env: Opti
     fd, log = tempfile.mkstemp(prefix="train-", suffix=".log")
     os.close(fd)
     try:
-        job = ranks.start(tuple(cmd[1:3]), cmd[3:], _env(env), log, nproc, cwd=str(run_dir.parent))
+        job = ranks.start(tuple(cmd[1:3]), cmd[3:], _env(env), log, nproc, cwd=str(run_dir.parent), tokenizers=True,
+                          compiles=True)  # the session's one server (tests/multiproc.py's): fine-tuning and MoE runs too
         try:
             code = job.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -209,7 +209,7 @@ def main(argv: List[str]) -> int:
     # the ranks' server imports torch, megatron-core (and the tokenizer's library) while this process plans
     from megatron_recipes.runtime import ranks
 
-    ranks.context(tokenizers=recipe_cfg.data.kind == "sft")
+    ranks.context(tokenizers=recipe_cfg.data.kind == "sft", compiles=derived.is_moe(recipe_cfg.model))
     try:
         return _check(args, recipe_cfg)
     finally:

@@ -51,7 +51,7 @@ def _entry(rank: int, fn: Callable[..., None], env: Dict[str, str], status_dir: 
         os._exit(1)
 
 
-def _context():
+def _context(compiles: bool):
     import multiprocessing
 
     import torch
@@ -60,14 +60,15 @@ def _context():
         return multiprocessing.get_context("spawn")
     from megatron_recipes.runtime import ranks
 
-    return ranks.context()
+    return ranks.context(compiles=compiles)
 
 
-def run_ranks(fn: Callable[..., None], world: int, *args: Any) -> None:
-    """``fn(*args)`` on ``world`` local ranks; returns when all succeeded, raises otherwise."""
+def run_ranks(fn: Callable[..., None], world: int, *args: Any, compiles: bool = False) -> None:
+    """``fn(*args)`` on ``world`` local ranks; returns when all succeeded, raises otherwise. ``compiles``: the
+    ranks build an MoE model (as for ``runtime.ranks.context``)."""
     from megatron_recipes.runtime import ranks
 
-    ctx = _context()
+    ctx = _context(compiles)
     envs, store = ranks.rank_environments(dict(os.environ), world)
     with tempfile.TemporaryDirectory(prefix="mr-ranks-") as status_dir:
         procs = [ctx.Process(target=_entry, args=(rank, fn, env, status_dir, args), name=f"rank{rank}")

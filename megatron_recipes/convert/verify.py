@@ -203,10 +203,11 @@ def rank_jobs(jobs: Sequence[Job], world: int) -> None:
         shutdown()
 
 
-def run_jobs(jobs: Sequence[Job], world: int) -> None:
+def run_jobs(jobs: Sequence[Job], world: int, moe: bool = False) -> None:
+    """``jobs`` in turn on ``world`` local ranks (``moe``: the checkpoints hold MoE models)."""
     from megatron_recipes.convert.ranks import run_ranks
 
-    run_ranks(rank_jobs, world, list(jobs), world)
+    run_ranks(rank_jobs, world, list(jobs), world, compiles=moe)
 
 
 # --- the command ---
@@ -276,7 +277,7 @@ def run_verify(hf_dir: Path, ckpt: Path, parallel: Optional[ParallelConfig] = No
     with tempfile.TemporaryDirectory(prefix="mr-verify-") as tmp:
         torch.save(tokens, Path(tmp, "tokens.pt"))
         out = Path(tmp, "logits.pt")
-        run_jobs([Job(str(resolved), layout, str(Path(tmp, "tokens.pt")), str(out))], world)
+        run_jobs([Job(str(resolved), layout, str(Path(tmp, "tokens.pt")), str(out))], world, derived.is_moe(cfg.model))
         ours = torch.load(out)
     _phase("compared", started)
     metrics = compare(reference, ours)

@@ -50,6 +50,7 @@ class Plan:
     as_json: bool
     trained: Any  # the run's train settings (its batches)
     picture: bool  # the run's logging.plot: its report carries the layout picture
+    moe: bool  # an MoE model (its ranks call torch.compile'd functions)
     maker: Any = None
     questions: Optional[list] = None
     prompts: Optional[list] = None
@@ -57,6 +58,7 @@ class Plan:
 
 
 def prepare(argv: List[str]) -> Plan:
+    from megatron_recipes.config.derived import is_moe
     from megatron_recipes.generate.cli import default_dtype, layout_for
 
     args = split_args(argv, PROG, flags=FLAGS, positional=("checkpoint",))
@@ -74,7 +76,7 @@ def prepare(argv: List[str]) -> Plan:
     layout = layout_for(meta.get("layout") or {}, opts.parallel.given())
     dtype = opts.dtype.value if opts.dtype is not None else default_dtype(cfg)
     plan = Plan(resolved, int(meta.get("step") or 0), layout, dtype, measures, opts, bool(args.flags.get("json")), cfg.train,
-                cfg.logging.plot)
+                cfg.logging.plot, is_moe(cfg.model))
     if "tasks" in measures:
         from megatron_recipes.evaluation.tasks import require_lm_eval, resolve, task_manager
 
@@ -221,7 +223,8 @@ def main(argv: List[str]) -> int:
     world = layouts.min_world_size(plan.layout)
     if not under_launcher() and world > 1:
         sys.stdout.flush()
-        return spawn_local(argv, world, target=("--module", "megatron_recipes.evaluation"), tokenizers=True)
+        return spawn_local(argv, world, target=("--module", "megatron_recipes.evaluation"), tokenizers=True,
+                           compiles=plan.moe)
     results = evaluate_here(plan)
     if results is not None:
         show(plan, results)

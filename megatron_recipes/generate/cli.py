@@ -82,7 +82,7 @@ def default_dtype(cfg) -> str:
 
 
 def prepare(argv: Sequence[str]):
-    """Everything every rank needs, checked: (job, prompt maker, prompts, options, flags)."""
+    """Everything every rank needs, checked: (job, prompt maker, prompts, options, flags, the run's recipe)."""
     from megatron_recipes.data.tokenizer import check_fits_model
     from megatron_recipes.generate.engine import Job, Sampling
     from megatron_recipes.data.prompts import PromptMaker, run_tokenizer, wants_chat
@@ -103,7 +103,7 @@ def prepare(argv: Sequence[str]):
     sampling = Sampling(opts.max_new_tokens, opts.temperature, opts.top_k, opts.top_p, opts.seed)
     dtype = opts.dtype.value if opts.dtype is not None else default_dtype(cfg)
     job = Job(str(resolved), layout, dtype, [p.ids for p in encoded], sampling, maker.termination_id, opts.batch_size)
-    return job, maker, encoded, opts, flags
+    return job, maker, encoded, opts, flags, cfg
 
 
 def show(answers, as_json: bool) -> None:
@@ -146,11 +146,13 @@ def main(argv: List[str]) -> int:
     from megatron_recipes.training.cli import quiet_known_warnings, under_launcher
 
     quiet_known_warnings()
-    job, maker, encoded, opts, flags = prepare(argv)
+    from megatron_recipes.config.derived import is_moe
+
+    job, maker, encoded, opts, flags, cfg = prepare(argv)
     world = layouts.min_world_size(job.parallel)
     if under_launcher():
         return run_here(job, maker, encoded, opts, flags)
     if world == 1:  # this process is the only rank (its one-rank group takes a port of its own)
         return run_here(job, maker, encoded, opts, flags)
     sys.stdout.flush()
-    return spawn_local(argv, world, target=("--module", "megatron_recipes.generate"), tokenizers=True)
+    return spawn_local(argv, world, target=("--module", "megatron_recipes.generate"), tokenizers=True, compiles=is_moe(cfg.model))

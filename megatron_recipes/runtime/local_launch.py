@@ -26,14 +26,15 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # what
 
 
 def spawn_local(argv: Sequence[str], nproc: int, target: Sequence[str] = ("--module", "megatron_recipes.train"),
-                tokenizers: bool = False) -> int:
+                tokenizers: bool = False, compiles: bool = False) -> int:
     """Run ``nproc`` ranks of ``target`` (a module or a script) with ``argv``; their exit code. ``tokenizers``:
-    the ranks load a Hugging Face tokenizer (forked ranks then find transformers' loading imported)."""
+    the ranks load a Hugging Face tokenizer; ``compiles``: they build an MoE model (forked ranks then find
+    transformers' loading, or torch.compile's machinery, imported)."""
     import torch
 
     if torch.cuda.is_available():
         return torchrun_ranks(argv, nproc, target)
-    return forked_ranks(argv, nproc, target, tokenizers)
+    return forked_ranks(argv, nproc, target, tokenizers, compiles)
 
 
 def _share_the_cores(nproc: int) -> None:
@@ -75,7 +76,8 @@ def torchrun_ranks(argv: Sequence[str], nproc: int, target: Sequence[str]) -> in
     return 0
 
 
-def forked_ranks(argv: Sequence[str], nproc: int, target: Sequence[str], tokenizers: bool = False) -> int:
+def forked_ranks(argv: Sequence[str], nproc: int, target: Sequence[str], tokenizers: bool = False,
+                 compiles: bool = False) -> int:
     """The ranks forked from the preloaded server, their output this command's own."""
     from megatron_recipes.runtime import rank_errors, ranks
 
@@ -91,7 +93,7 @@ def forked_ranks(argv: Sequence[str], nproc: int, target: Sequence[str], tokeniz
     sys.stdout.flush()
     sys.stderr.flush()
     with rank_errors.collected() as folder:
-        job = ranks.start(entry, argv, dict(os.environ), None, nproc, tokenizers=tokenizers)
+        job = ranks.start(entry, argv, dict(os.environ), None, nproc, tokenizers=tokenizers, compiles=compiles)
         previous = {sig: signal.signal(sig, pass_on) for sig in SIGNALS}
         try:
             stop_by = None

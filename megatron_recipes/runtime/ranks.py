@@ -31,13 +31,18 @@ from megatron_recipes.runtime.distributed import hosted_store
 PRELOAD = ["megatron_recipes.training.rank_preload"]
 # What a run with a Hugging Face tokenizer (fine-tuning data) loads it with: ~2 s of CPU per rank otherwise.
 TOKENIZER_PRELOAD = ["transformers.models.auto.tokenization_auto", "transformers.tokenization_utils_tokenizers"]
+# What the first call of a ``torch.compile``d function imports (Inductor; the deferred compile of
+# runtime/patches/_process.py): megatron-core's MoE router calls one on every forward (``_apply_expert_bias``),
+# ~0.7 s of CPU per MoE rank otherwise.
+COMPILE_PRELOAD = ["torch._inductor.compile_fx"]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT",
                  "TORCHELASTIC_USE_AGENT_STORE")
 
 
-def context(tokenizers: bool = False):
+def context(tokenizers: bool = False, compiles: bool = False):
     """The forkserver context; its server starts here (preloading in the background) if not yet running,
-    with transformers' tokenizer loading too when ``tokenizers`` (a module it lacks is skipped).
+    with transformers' tokenizer loading too when ``tokenizers`` (a module it lacks is skipped) and
+    ``torch.compile``'s machinery when ``compiles`` (the ranks build an MoE model).
 
     One server per process (Python's forkserver is a per-process singleton): when another caller started
     it with its own preload, ranks still start correctly, they import what that preload lacked."""
@@ -45,7 +50,7 @@ def context(tokenizers: bool = False):
     from multiprocessing import forkserver
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD + (TOKENIZER_PRELOAD if tokenizers else []))
+    ctx.set_forkserver_preload(PRELOAD + (TOKENIZER_PRELOAD if tokenizers else []) + (COMPILE_PRELOAD if compiles else []))
     forkserver.ensure_running()
     return ctx
 
@@ -193,10 +198,10 @@ def rank_environments(env: Dict[str, str], ranks: int):
 
 
 def start(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: Optional[str], ranks: int,
-          cwd: Optional[str] = None, tokenizers: bool = False) -> Run:
+          cwd: Optional[str] = None, tokenizers: bool = False, compiles: bool = False) -> Run:
     """The ranks of one run, forked from the server (``log``: their output's file, None for the caller's own;
-    ``cwd``: the folder they run in, default the server's; ``tokenizers``: as for ``context``)."""
-    ctx = context(tokenizers)
+    ``cwd``: the folder they run in, default the server's; ``tokenizers``, ``compiles``: as for ``context``)."""
+    ctx = context(tokenizers, compiles)
     envs, store = rank_environments(env, ranks)
     procs = []
     for rank, rank_env in enumerate(envs):

@@ -78,6 +78,7 @@ def main(argv: List[str]) -> int:
     from megatron_recipes.runtime import patches
 
     patches.apply("process")
+    from megatron_recipes.config.derived import is_moe
     from megatron_recipes.convert import layout as layouts
     from megatron_recipes.data.prompts import PromptMaker, run_tokenizer
     from megatron_recipes.data.tokenizer import check_fits_model
@@ -96,7 +97,8 @@ def main(argv: List[str]) -> int:
     if not under_launcher() and world > 1:
         _listen(opts.host, opts.port).close()  # a taken port is refused before the ranks start
         sys.stdout.flush()
-        return spawn_local(argv, world, target=("--module", "megatron_recipes.serve"), tokenizers=True)
+        return spawn_local(argv, world, target=("--module", "megatron_recipes.serve"), tokenizers=True,
+                           compiles=is_moe(cfg.model))
 
     @lru_cache(maxsize=None)
     def makers(kind: str, stops: tuple):

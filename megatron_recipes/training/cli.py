@@ -136,4 +136,4 @@ def main(argv: List[str]) -> int:
         return run_rank(recipe, cfg, validated=True)
     from megatron_recipes.runtime.local_launch import spawn_local
 
-    return spawn_local(argv, _rank_count(cfg), tokenizers=cfg.data.kind == "sft")
+    return spawn_local(argv, _rank_count(cfg), tokenizers=cfg.data.kind == "sft", compiles=derived.is_moe(cfg.model))

@@ -1,0 +1,59 @@
+"""What the ranks' server imports before it forks them (runtime/ranks.py): a rank should not import again what
+every rank of its job needs. A fine-tuning rank loads a Hugging Face tokenizer (transformers), and an MoE rank
+calls torch.compile'd code on every forward (megatron-core's router), which imports Inductor (~0.7 s of CPU per
+rank). The launcher asks for those imports when the job needs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from megatron_recipes.runtime import ranks
+
+PROBE = textwrap.dedent("""
+    import json, sys
+    names = sys.argv[2:]
+    open(sys.argv[1], "w").write(json.dumps({name: name in sys.modules for name in names}))
+""")
+
+START = textwrap.dedent("""
+    import json, os, sys
+    from megatron_recipes.runtime import ranks
+    script, out, asked = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    env = {k: v for k, v in os.environ.items() if k not in ranks.LAUNCHER_VARS}
+    names = ranks.TOKENIZER_PRELOAD + ranks.COMPILE_PRELOAD
+    job = ranks.start((script,), (out, *names), env, None, 1, **asked)
+    sys.exit(job.wait(timeout=120))
+""")
+
+
+def _imported_at_rank_start(tmp_path, **asked) -> dict:
+    """In a fresh process (one server per process): which of the optional preloads a forked rank finds imported."""
+    script, out = tmp_path / "probe.py", tmp_path / "seen.json"
+    script.write_text(PROBE)
+    done = subprocess.run([sys.executable, "-c", START, str(script), str(out), json.dumps(asked)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_a_job_that_compiles_and_tokenizes_finds_inductor_and_the_tokenizer_loading_imported(tmp_path):
+    seen = _imported_at_rank_start(tmp_path, tokenizers=True, compiles=True)
+    assert seen and all(seen.values()), seen
+    assert set(seen) == set(ranks.TOKENIZER_PRELOAD + ranks.COMPILE_PRELOAD)
+
+
+def test_an_moe_recipe_asks_its_launcher_for_the_compile_preload(monkeypatch):
+    from megatron_recipes.runtime import local_launch
+    from megatron_recipes.training import cli
+
+    asked = []
+    monkeypatch.setattr(local_launch, "spawn_local", lambda argv, nproc, **kw: asked.append((nproc, kw)) or 0)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    small = ["cluster.gpus_per_node=2", "cluster.nvlink_domain=2", "parallel.sp=true", "train.train_iters=2"]
+    assert cli.main(["tiny_llama_cpu", "model=tiny_moe", *small]) == 0
+    assert cli.main(["tiny_llama_cpu", *small]) == 0
+    assert asked == [(2, {"tokenizers": False, "compiles": True}), (2, {"tokenizers": False, "compiles": False})]
