@@ -4,6 +4,7 @@ instead of leaving them waiting in a collective."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -11,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from megatron_recipes.config.errors import RecipeError
+from megatron_recipes.convert import ranks as convert_ranks
 from megatron_recipes.convert.ranks import run_ranks
+from megatron_recipes.runtime import ranks
 
 
 def _sum_ranks(out: str) -> None:
@@ -61,3 +64,21 @@ def test_a_failing_rank_stops_the_others_and_is_named(how):
         with pytest.raises(RuntimeError, match=r"rank 1 died without reporting \(exit code 3\)"):
             run_ranks(_one_rank_fails, 2, how)
     assert time.monotonic() - start < 60  # not the gloo timeout the waiting rank would otherwise reach
+
+
+def test_the_rank_that_died_is_named_not_the_peer_it_cut_off(tmp_path):
+    """Both ranks ended before the run looked (the race a loaded machine loses): rank 0's barrier failed with
+    "Connection reset by peer" because rank 1 died; the cause named is rank 1's death."""
+    envs, store = ranks.rank_environments(dict(os.environ), 2)
+    procs = [ranks.context().Process(target=convert_ranks._entry, args=(r, _one_rank_fails, env, str(tmp_path), ("dies",)))
+             for r, env in enumerate(envs)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)
+    job = ranks.Run(procs, ["probe"], store)
+    assert job.wait() != 0
+    assert job.failed_ranks == [0, 1]  # the peer reported its own error before anyone looked
+    assert "error" in json.loads((tmp_path / "rank0.json").read_text())
+    with pytest.raises(RuntimeError, match=r"rank 1 died without reporting \(exit code 3\)"):
+        convert_ranks._raise_cause(job, str(tmp_path))

@@ -16,6 +16,8 @@ TARGET = textwrap.dedent("""
     from megatron_recipes.runtime.rank_errors import ENV, report
 
     rank, failing = int(os.environ["RANK"]), [int(r) for r in sys.argv[1].split(",")]
+    if rank in failing and sys.argv[2:] == ["--silent"]:
+        os._exit(3)  # a native death: no message
     if rank in failing:
         report(sys.argv[2] if len(sys.argv) > 2 else f"the file of rank {rank} is unreadable\\n  fix: check it")
         # the first rank to exit gets the others stopped: leave once every failing rank has said its error (on a
@@ -58,6 +60,16 @@ def test_one_failing_rank_is_named_and_the_others_are_stopped_quietly(tmp_path, 
     assert done.returncode == 2 and seconds < 50  # the sleeping ranks were stopped, not waited for
     assert done.stderr.strip().splitlines() == ["error: the file of rank 1 is unreadable", "  fix: check it", "  (rank 1)"]
     assert "exitcode" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_rank_that_dies_without_a_message_is_named_with_its_code(tmp_path, capsys):
+    from megatron_recipes.runtime.local_launch import _said
+
+    done, _ = _job(tmp_path, "forked_ranks", "1", "--silent")
+    assert done.returncode == 3
+    assert done.stderr.strip().splitlines()[-1] == "error: rank 1 failed (exit code 3); the other ranks were stopped"
+    _said(tmp_path, {2: -9, 0: 1})  # ranks seen ended together (one died, its peer's collective then failed)
+    assert capsys.readouterr().err == "error: rank 0 failed (exit code 1); rank 2 failed (exit code -9); the other ranks were stopped\n"
 
 
 def test_a_rank_outside_the_local_launcher_says_its_error_itself(monkeypatch, capsys):

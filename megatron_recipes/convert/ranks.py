@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, Sequence
@@ -42,7 +43,8 @@ def _entry(rank: int, fn: Callable[..., None], env: Dict[str, str], status_dir: 
     except RecipeError as exc:
         status = {"ok": False, "recipe_error": [exc.message, exc.fix]}
     except BaseException as exc:  # the caller says it once, with the rank's traceback
-        status = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        status = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+                  "at": time.time()}
     Path(status_dir, f"rank{rank}.json").write_text(json.dumps(status))
     atexit._run_exitfuncs()  # what a fresh interpreter runs at its exit (a forked rank would not)
     sys.stdout.flush()
@@ -76,17 +78,24 @@ def run_ranks(fn: Callable[..., None], world: int, *args: Any, compiles: bool = 
         for proc in procs:
             proc.start()
         job = ranks.Run(procs, [fn.__name__], store)  # the first rank that fails stops the others
-        if job.wait() == 0:
-            return
-        failed = job.failed_rank
-        for rank in [failed, *range(world)]:
-            path = Path(status_dir, f"rank{rank}.json")
-            if not path.exists():
-                continue
-            status = json.loads(path.read_text())
-            if "recipe_error" in status:
-                message, fix = status["recipe_error"]
-                raise RecipeError(message, fix=fix) from None
-            if not status["ok"]:
-                raise RuntimeError(f"rank {rank} failed: {status['error']}\n{status['traceback']}") from None
-        raise RuntimeError(f"rank {failed} died without reporting (exit code {procs[failed].exitcode})")
+        if job.wait() != 0:
+            _raise_cause(job, status_dir)
+
+
+def _raise_cause(job, status_dir: str) -> None:
+    """Say the failure that started it. Ranks that ended together are told apart by what they left: a user's
+    error first; then a rank that died without reporting (a peer's end shows up in a rank as an error it
+    reports, e.g. gloo's "Connection reset by peer", never as a silent death); then the earliest error."""
+    statuses = {}
+    for rank in job.failed_ranks:
+        path = Path(status_dir, f"rank{rank}.json")
+        statuses[rank] = json.loads(path.read_text()) if path.exists() else None
+    for rank, status in statuses.items():
+        if status and "recipe_error" in status:
+            message, fix = status["recipe_error"]
+            raise RecipeError(message, fix=fix) from None
+    for rank, status in statuses.items():
+        if status is None:
+            raise RuntimeError(f"rank {rank} died without reporting (exit code {job.procs[rank].exitcode})")
+    rank, status = min(statuses.items(), key=lambda item: item[1].get("at", 0.0))
+    raise RuntimeError(f"rank {rank} failed: {status['error']}\n{status['traceback']}") from None

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Sequence
+from typing import Dict, Sequence
 
 STOPPING_GRACE_S = 30.0  # a signalled rank's time to stop before SIGKILL, as torchrun's agent gives it
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # what torchrun's agent passes on
@@ -42,11 +42,14 @@ def _share_the_cores(nproc: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
 
 
-def _said(folder, first_rank: int, code: int) -> None:
+def _said(folder, codes: Dict[int, int]) -> None:
+    """The ranks' own message, or which ranks failed with which code: ranks that ended together (one died, its
+    peer's collective then failed) are all named, the order they failed in is not known."""
     from megatron_recipes.runtime import rank_errors
 
     told = rank_errors.summary(folder)
-    print(told or f"error: rank {first_rank} failed (exit code {code}); the other ranks were stopped", file=sys.stderr)
+    failed = "; ".join(f"rank {rank} failed (exit code {code})" for rank, code in sorted(codes.items()))
+    print(told or f"error: {failed}; the other ranks were stopped", file=sys.stderr)
 
 
 def torchrun_ranks(argv: Sequence[str], nproc: int, target: Sequence[str]) -> int:
@@ -67,8 +70,7 @@ def torchrun_ranks(argv: Sequence[str], nproc: int, target: Sequence[str]) -> in
             run(parse_args(launcher_args + list(argv)))
         except ChildFailedError as exc:
             codes = sorted({f.exitcode for f in exc.failures.values()}, key=lambda c: (c < 0, c))
-            first = min(exc.failures.values(), key=lambda f: f.local_rank)
-            _said(folder, first.local_rank, first.exitcode)
+            _said(folder, {f.local_rank: f.exitcode for f in exc.failures.values()})
             return codes[0] if 0 < codes[0] < 128 else 1
         except SignalException as exc:
             print(f"stopped by signal {exc.sigval.name}; the ranks were stopped", file=sys.stderr)
@@ -118,5 +120,5 @@ def forked_ranks(argv: Sequence[str], nproc: int, target: Sequence[str], tokeniz
             print(f"stopped by signal {name}; the ranks were stopped", file=sys.stderr)
             return 128 + int(caught[0])
         if code != 0:
-            _said(folder, job.failed_rank, code)
+            _said(folder, {rank: job.procs[rank].exitcode for rank in job.failed_ranks})
     return code

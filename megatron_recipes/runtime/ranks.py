@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from multiprocessing import connection
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from megatron_recipes.runtime.distributed import hosted_store
 
@@ -132,7 +132,7 @@ class Run:
         self.procs = list(procs)
         self.store = store
         self.returncode: Optional[int] = None
-        self.failed_rank: Optional[int] = None  # the first rank seen failing
+        self.failed_ranks: List[int] = []  # the ranks seen failing by themselves, before the others were stopped
         self._failed: Optional[int] = None
 
     @property
@@ -144,8 +144,8 @@ class Run:
             return self.returncode
         codes = [p.exitcode for p in self.procs]
         if self._failed is None:
-            self.failed_rank = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
-            self._failed = None if self.failed_rank is None else codes[self.failed_rank]
+            self.failed_ranks = [r for r, c in enumerate(codes) if c not in (None, 0)]  # ended together: order unknown
+            self._failed = codes[self.failed_ranks[0]] if self.failed_ranks else None
             if self._failed is not None and None in codes:
                 self.kill()
                 codes = [p.exitcode for p in self.procs]
