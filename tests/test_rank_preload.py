@@ -57,3 +57,34 @@ def test_an_moe_recipe_asks_its_launcher_for_the_compile_preload(monkeypatch):
     assert cli.main(["tiny_llama_cpu", "model=tiny_moe", *small]) == 0
     assert cli.main(["tiny_llama_cpu", *small]) == 0
     assert asked == [(2, {"tokenizers": False, "compiles": True}), (2, {"tokenizers": False, "compiles": False})]
+
+
+COMPOSES = textwrap.dedent("""
+    import json, sys
+    from megatron_recipes.config import compose
+    fresh = []
+    compose_anew = compose._compose_recipe
+    compose._compose_recipe = lambda recipe, overrides: fresh.append(recipe) or compose_anew(recipe, overrides)
+    cfg = compose.compose_recipe(sys.argv[2], sys.argv[3:])
+    open(sys.argv[1], "w").write(json.dumps({"composed_anew": bool(fresh), "train_iters": cfg.train.train_iters}))
+""")
+
+
+def _rank_composes(tmp_path, recipe: str, *overrides: str) -> dict:
+    script, out = tmp_path / "composes.py", tmp_path / "composed.json"
+    script.write_text(COMPOSES)
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ranks.LAUNCHER_VARS}
+    assert ranks.start((str(script),), (str(out), recipe, *overrides), env, None, 1).wait(timeout=120) == 0
+    return json.loads(out.read_text())
+
+
+def test_a_rank_finds_the_recipe_its_launcher_composed_and_composes_a_changed_one_anew(tmp_path):
+    from megatron_recipes.config.compose import compose_recipe
+
+    compose_recipe("tiny_llama_cpu", ["train.train_iters=7"])
+    assert _rank_composes(tmp_path, "tiny_llama_cpu", "train.train_iters=7") == {"composed_anew": False, "train_iters": 7}
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("defaults: [tiny_llama_cpu, _self_]\ntrain:\n  train_iters: 5\n")
+    assert compose_recipe(str(recipe)).train.train_iters == 5
+    recipe.write_text("defaults: [tiny_llama_cpu, _self_]\ntrain:\n  train_iters: 6\n")  # edited after the launcher read it
+    assert _rank_composes(tmp_path, str(recipe)) == {"composed_anew": True, "train_iters": 6}

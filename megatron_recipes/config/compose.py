@@ -140,6 +140,21 @@ def compose_recipe(recipe: str, overrides: Sequence[str] = ()) -> RunConfig:
 _COMPOSED: "OrderedDict[tuple, RunConfig]" = OrderedDict()
 
 
+def compositions(last: int = 4) -> list:
+    """This process's ``last`` compositions, handed to the ranks it starts (runtime/ranks.py): a rank forked to
+    run the recipe its launcher just composed finds it composed. Each entry's key holds the bytes of every file it
+    was composed from, so a rank that reads a changed file (or resolves a relative path elsewhere) composes anew."""
+    return list(_COMPOSED.items())[-last:]
+
+
+def adopt(entries: Iterable) -> None:
+    """Keep compositions another process made (``compositions()``), as if composed here."""
+    for key, obj in entries:
+        _COMPOSED[key] = obj
+    while len(_COMPOSED) > 64:
+        _COMPOSED.popitem(last=False)
+
+
 def _composition_key(recipe: str, overrides: Sequence[str]) -> Optional[tuple]:
     """What determines a composition: the recipe, the overrides and the content of the YAML files in the
     folders Hydra searches (a group option lies one folder down); None where the result could depend on

@@ -73,9 +73,10 @@ def stop() -> None:
 
 
 def _rank(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: Optional[str],
-          cwd: Optional[str] = None) -> None:
+          cwd: Optional[str] = None, composed: Sequence = ()) -> None:
     """One rank, in the forked child: the run's environment, folder and log (None: the output the server
-    inherited from the command that started it), then ``python <entry> <argv>``."""
+    inherited from the command that started it), the launcher's compositions (``composed``), then
+    ``python <entry> <argv>``."""
     os.setpgid(0, 0)  # its own group: stopping the run stops whatever this rank starts (checkpoint writers)
     if cwd is not None:
         os.chdir(cwd)
@@ -93,6 +94,10 @@ def _rank(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: O
         sys.modules["numpy"].random.seed()
     if "torch" in sys.modules and env.get("OMP_NUM_THREADS", "").isdigit():  # read at a fresh start only
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+    if composed:
+        from megatron_recipes.config import compose
+
+        compose.adopt(composed)
     try:
         if entry[0] == "-m":
             sys.argv = [entry[1], *argv]
@@ -200,12 +205,17 @@ def rank_environments(env: Dict[str, str], ranks: int):
 def start(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: Optional[str], ranks: int,
           cwd: Optional[str] = None, tokenizers: bool = False, compiles: bool = False) -> Run:
     """The ranks of one run, forked from the server (``log``: their output's file, None for the caller's own;
-    ``cwd``: the folder they run in, default the server's; ``tokenizers``, ``compiles``: as for ``context``)."""
+    ``cwd``: the folder they run in, default the server's; ``tokenizers``, ``compiles``: as for ``context``).
+    The recipes this process composed go with them: a launcher that composed and validated the run's recipe
+    spares each rank composing it again (~85 ms of CPU each)."""
     ctx = context(tokenizers, compiles)
     envs, store = rank_environments(env, ranks)
+    compose = sys.modules.get("megatron_recipes.config.compose")
+    composed = compose.compositions() if compose is not None else []
     procs = []
     for rank, rank_env in enumerate(envs):
-        proc = ctx.Process(target=_rank, args=(tuple(entry), tuple(argv), rank_env, log, cwd), name=f"rank{rank}")
+        proc = ctx.Process(target=_rank, args=(tuple(entry), tuple(argv), rank_env, log, cwd, composed),
+                           name=f"rank{rank}")
         proc.start()
         procs.append(proc)
     return Run(procs, [sys.executable, *entry, *argv], store)
