@@ -29,7 +29,8 @@ def test_heldout_loss_is_the_logged_val_loss(shared_runs, layout):
     assert result["step"] == 100 and result["layout"].startswith("tp=2" if not layout else "tp=1")
     assert abs(result["loss"]["val_loss"] - logged) <= 1e-5 * abs(logged), (result, logged)
     assert result["loss"]["sequences"] == 8 * 8  # the run's eval_iters x global batch
-    base = eval_cli(run, run.base.run_dir)  # a pretraining run: loss only, by default
+    # a pretraining run: loss only, by default (the same command for both layouts above: run once, read by both)
+    base = shared_runs.get("readme-base-eval", lambda: eval_cli(run, run.base.run_dir))
     assert "answers" not in base and abs(base["loss"]["val_loss"] - _logged_val_loss(run.base, 30)) <= 1e-5 * base["loss"]["val_loss"]
 
 

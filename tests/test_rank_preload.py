@@ -1,7 +1,8 @@
-"""What the ranks' server imports before it forks them (runtime/ranks.py): a rank should not import again what
+"""What a rank forked from the ranks' server (runtime/ranks.py) starts with. It should not import again what
 every rank of its job needs. A fine-tuning rank loads a Hugging Face tokenizer (transformers), and an MoE rank
 calls torch.compile'd code on every forward (megatron-core's router), which imports Inductor (~0.7 s of CPU per
-rank). The launcher asks for those imports when the job needs them."""
+rank). The launcher asks for those imports when the job needs them. It finds the recipe its launcher composed, and
+it handles signals as a rank torchrun started, whatever its launcher inherited."""
 
 from __future__ import annotations
 
@@ -29,12 +30,27 @@ START = textwrap.dedent("""
 """)
 
 
-def _imported_at_rank_start(tmp_path, **asked) -> dict:
-    """In a fresh process (one server per process): which of the optional preloads a forked rank finds imported."""
+SIGNALS = textwrap.dedent("""
+    import json, signal, sys
+    names = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+    open(sys.argv[1], "w").write(json.dumps({n: str(signal.getsignal(getattr(signal, n))) for n in names}))
+""")
+
+
+def _ignore_interrupts() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # what a command run in the background (`cmd &`) starts with
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+
+
+def _imported_at_rank_start(tmp_path, probe: str = PROBE, **asked) -> dict:
+    """In a fresh process (one server per process): which of the optional preloads a forked rank finds imported
+    (or what ``probe`` writes), the process started as a command run in the background."""
     script, out = tmp_path / "probe.py", tmp_path / "seen.json"
-    script.write_text(PROBE)
+    script.write_text(probe)
     done = subprocess.run([sys.executable, "-c", START, str(script), str(out), json.dumps(asked)], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, preexec_fn=_ignore_interrupts)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -43,6 +59,16 @@ def test_a_job_that_compiles_and_tokenizes_finds_inductor_and_the_tokenizer_load
     seen = _imported_at_rank_start(tmp_path, tokenizers=True, compiles=True)
     assert seen and all(seen.values()), seen
     assert set(seen) == set(ranks.TOKENIZER_PRELOAD + ranks.COMPILE_PRELOAD)
+
+
+def test_a_rank_of_a_launcher_run_in_the_background_stops_on_ctrl_c_as_a_torchrun_rank(tmp_path):
+    """A launcher started with SIGINT ignored still passes the user's Ctrl-C on (runtime/local_launch.py): its ranks
+    must act on it (KeyboardInterrupt: the trainer says where the next start resumes), not run on until killed."""
+    import signal
+
+    seen = _imported_at_rank_start(tmp_path, SIGNALS)
+    assert seen == {"SIGINT": str(signal.default_int_handler), "SIGTERM": str(signal.SIG_DFL),
+                    "SIGHUP": str(signal.SIG_DFL), "SIGQUIT": str(signal.SIG_DFL)}
 
 
 def test_an_moe_recipe_asks_its_launcher_for_the_compile_preload(monkeypatch):

@@ -25,6 +25,9 @@ from megatron_recipes.config.errors import RecipeError
 
 
 def _entry(rank: int, fn: Callable[..., None], env: Dict[str, str], status_dir: str, args: Sequence[Any]) -> None:
+    from megatron_recipes.runtime.ranks import fresh_signals
+
+    fresh_signals()  # as a rank torchrun started (a forked one keeps what its server inherited)
     os.environ.clear()  # a forked rank starts with the server's environment: take the caller's and the launcher's
     os.environ.update(env)
     for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", 1)):  # one rank: no launcher variables

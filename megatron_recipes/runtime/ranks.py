@@ -72,12 +72,25 @@ def stop() -> None:
     server._stop()
 
 
+def fresh_signals() -> None:
+    """The signal handling a rank that torchrun started has, whatever its launcher's own: SIGINT raises
+    KeyboardInterrupt, SIGTERM, SIGHUP and SIGQUIT end the process. A forked rank would otherwise keep what the
+    server inherited when it was started: a command run in the background (``cmd &`` in a script, CI) has
+    SIGINT and SIGQUIT ignored, and its ranks then ignored the Ctrl-C the launcher passes on until it killed
+    them, with no checkpoint said (torchrun's agent handles these signals itself: its ranks start with the
+    defaults)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _rank(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: Optional[str],
           cwd: Optional[str] = None, composed: Sequence = ()) -> None:
     """One rank, in the forked child: the run's environment, folder and log (None: the output the server
     inherited from the command that started it), the launcher's compositions (``composed``), then
     ``python <entry> <argv>``."""
     os.setpgid(0, 0)  # its own group: stopping the run stops whatever this rank starts (checkpoint writers)
+    fresh_signals()
     if cwd is not None:
         os.chdir(cwd)
     os.environ.clear()  # the server's environment is that of its start: take the run's
