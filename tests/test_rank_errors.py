@@ -62,10 +62,11 @@ def test_one_failing_rank_is_named_and_the_others_are_stopped_quietly(tmp_path, 
     assert "exitcode" not in done.stderr and "Traceback" not in done.stderr
 
 
-def test_a_rank_that_dies_without_a_message_is_named_with_its_code(tmp_path, capsys):
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_rank_that_dies_without_a_message_is_named_with_its_code(tmp_path, capsys, launcher):
     from megatron_recipes.runtime.local_launch import _said
 
-    done, _ = _job(tmp_path, "forked_ranks", "1", "--silent")
+    done, _ = _job(tmp_path, launcher, "1", "--silent")
     assert done.returncode == 3
     assert done.stderr.strip().splitlines()[-1] == "error: rank 1 failed (exit code 3); the other ranks were stopped"
     _said(tmp_path, {2: -9, 0: 1})  # ranks seen ended together (one died, its peer's collective then failed)

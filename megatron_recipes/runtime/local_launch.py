@@ -70,7 +70,10 @@ def torchrun_ranks(argv: Sequence[str], nproc: int, target: Sequence[str]) -> in
             run(parse_args(launcher_args + list(argv)))
         except ChildFailedError as exc:
             codes = sorted({f.exitcode for f in exc.failures.values()}, key=lambda c: (c < 0, c))
-            _said(folder, {f.local_rank: f.exitcode for f in exc.failures.values()})
+            failed = {f.local_rank: f.exitcode for f in exc.failures.values()}
+            # torchrun stops the other ranks with SIGTERM and counts them as failed too: name the rank(s) that were not
+            # stopped that way (all of them when each ended by SIGTERM, e.g. a preemption reaching every rank)
+            _said(folder, {r: c for r, c in failed.items() if c != -signal.SIGTERM} or failed)
             return codes[0] if 0 < codes[0] < 128 else 1
         except SignalException as exc:
             print(f"stopped by signal {exc.sigval.name}; the ranks were stopped", file=sys.stderr)
