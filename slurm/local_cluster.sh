@@ -13,6 +13,7 @@ DIR=${SLURM_LOCAL_DIR:-/tmp/megatron-recipes-slurm}
 NODES=${NODES:-2}
 CPUS=${CPUS:-$(nproc)}
 TAG="# megatron-recipes local cluster"
+HOSTS=${SLURM_LOCAL_HOSTS:-/etc/hosts}  # where the fake nodes' names go (another file only for its test)
 CLUSTER=megatron-recipes-local
 HOST=$(hostname -s)
 PACKAGES=(slurmctld slurmd slurm-client munge)
@@ -61,11 +62,21 @@ down() {
     stop_daemon "$d/slurmctld.pid" slurmctld
     stop_daemon "$d/munged.pid" munged
   done
-  if grep -q "$TAG" /etc/hosts 2>/dev/null; then
-    grep -v "$TAG" /etc/hosts > "$DIR/hosts.tmp" || true
-    cat "$DIR/hosts.tmp" > /etc/hosts   # rewrite in place: /etc/hosts may be a bind mount
-  fi
+  unlist_hosts
   rm -f /etc/slurm/plugstack.conf.d/megatron-recipes-pyxis-stub.conf
+}
+
+# The fake nodes' names out of the hosts file, in place (it may be a bind mount) and without ever emptying it:
+# processes resolving this machine's own name meanwhile (gloo does, for every process group a rank makes) must
+# still find it. Truncating and rewriting it (`cat kept > /etc/hosts`) failed another test's rank once
+# ("gloo/transport/tcp/device.cc:99 rv == 0. -2 vs 0": getaddrinfo found no name). The kept lines are written
+# over the file's start (the names were appended: they are a prefix of it), then the rest is cut off.
+unlist_hosts() {
+  grep -q "$TAG" "$HOSTS" 2>/dev/null || return 0
+  mkdir -p "$DIR"
+  grep -v "$TAG" "$HOSTS" > "$DIR/hosts.tmp" || true
+  dd if="$DIR/hosts.tmp" of="$HOSTS" conv=notrunc status=none
+  truncate -s "$(stat -c %s "$DIR/hosts.tmp")" "$HOSTS"
 }
 
 install_packages() {
@@ -120,7 +131,7 @@ write_config() {
     echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
   } > /etc/slurm/slurm.conf
   rm -f /etc/slurm/gres.conf
-  if [ "$NODES" -gt 1 ]; then echo "127.0.0.1 $(node_names | tr '\n' ' ')$TAG" >> /etc/hosts; fi
+  if [ "$NODES" -gt 1 ]; then echo "127.0.0.1 $(node_names | tr '\n' ' ')$TAG" >> "$HOSTS"; fi
 }
 
 build_pyxis_stub() {
@@ -190,5 +201,6 @@ up() {
 case "${1:-up}" in
   up) up ;;
   down) down ;;
-  *) echo "usage: $0 up|down" >&2; exit 2 ;;
+  unlist-hosts) unlist_hosts ;;  # what `down` does to the hosts file, alone
+  *) echo "usage: $0 up|down|unlist-hosts" >&2; exit 2 ;;
 esac

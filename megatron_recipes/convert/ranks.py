@@ -98,7 +98,7 @@ def _raise_cause(job, status_dir: str) -> None:
             message, fix = status["recipe_error"]
             raise RecipeError(message, fix=fix) from None
     for rank, status in statuses.items():
-        if status is None:
+        if status is None or status["ok"]:  # (a rank that reported success and still failed: at its exit)
             raise RuntimeError(f"rank {rank} died without reporting (exit code {job.procs[rank].exitcode})")
     rank, status = min(statuses.items(), key=lambda item: item[1].get("at", 0.0))
     raise RuntimeError(f"rank {rank} failed: {status['error']}\n{status['traceback']}") from None
