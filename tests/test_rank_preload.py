@@ -7,6 +7,7 @@ it handles signals as a rank torchrun started, whatever its launcher inherited."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -99,7 +100,7 @@ COMPOSES = textwrap.dedent("""
 def _rank_composes(tmp_path, recipe: str, *overrides: str) -> dict:
     script, out = tmp_path / "composes.py", tmp_path / "composed.json"
     script.write_text(COMPOSES)
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ranks.LAUNCHER_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in ranks.LAUNCHER_VARS}
     assert ranks.start((str(script),), (str(out), recipe, *overrides), env, None, 1).wait(timeout=120) == 0
     return json.loads(out.read_text())
 
