@@ -59,13 +59,13 @@ def convert(run: FineTuned, *args: str) -> dict:
 
 
 def eval_cli(run: FineTuned, target, *args: str) -> dict:
-    """``megatron-recipes eval <target> ... --json`` as a user runs it, from the runs' folder; its record."""
+    """``megatron-recipes eval <target> ... --json`` as a user runs it (its own process, forked:
+    tests/cli_support.py), from the runs' folder; its record."""
     import json
-    import subprocess
-    import sys
 
-    command = [sys.executable, "-m", "megatron_recipes.cli", "eval", str(target), *args, "--json"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=str(run.root))
+    from cli_support import run_cli
+
+    done = run_cli(["eval", str(target), *args, "--json"], timeout=600, cwd=str(run.root))
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_support import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +24,17 @@ SMALL = ["data.builtin_max_files=80", "data.builtin_vocab_size=600"]
 
 
 def check(tmp_path: Path, recipe: str, *overrides: str, env=None, timeout: float = 900.0):
-    cmd = [sys.executable, "-m", "megatron_recipes.cli", "check", recipe, *overrides, "--dir", str(tmp_path / "check")]
+    """``megatron-recipes check``: forked from the session's server (tests/cli_support.py), or as a fresh
+    interpreter when ``env`` changes ``PYTHONPATH`` (a fault injected at start-up)."""
+    args = ["check", recipe, *overrides, "--dir", str(tmp_path / "check")]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(name, None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout, cwd=str(tmp_path))
+    if "PYTHONPATH" in (env or {}):
+        proc = subprocess.run([sys.executable, "-m", "megatron_recipes.cli", *args], capture_output=True, text=True,
+                              env=full_env, timeout=timeout, cwd=str(tmp_path))
+    else:
+        proc = run_cli(args, env=full_env, timeout=timeout, cwd=str(tmp_path))
     return proc.returncode, proc.stdout + proc.stderr
 
 

@@ -239,9 +239,10 @@ def _fresh_env() -> dict:
 
 @pytest.mark.slow
 def test_export_of_the_megatron_lm_checkpoint_matches_its_logits(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "megatron_recipes.cli", "convert", "export", f"ckpt_dir={FIXTURE}",
-         f"hf_dir={tmp_path / 'hf'}", "--verify"], capture_output=True, text=True, timeout=600, env=_fresh_env())
+    from cli_support import run_cli
+
+    done = run_cli(["convert", "export", f"ckpt_dir={FIXTURE}", f"hf_dir={tmp_path / 'hf'}", "--verify"], timeout=600,
+                   env=_fresh_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     row = next(line for line in done.stdout.splitlines() if line.startswith("HF vs checkpoint"))
     assert row.split()[-1] == "ok" and float(row.split()[-5]) < 1e-4, row

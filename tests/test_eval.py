@@ -99,12 +99,10 @@ def test_results_of_one_step_are_kept_together(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_a_fine_tuning_run_is_read_from_any_folder(shared_runs, tmp_path):
     """Its config names its base relative to where it trained; eval from elsewhere still finds it."""
-    import subprocess
-    import sys
+    from cli_support import run_cli
 
     run = readme_lora(shared_runs)
-    command = [sys.executable, "-m", "megatron_recipes.cli", "eval", str(run.lora.run_dir), "what=answers", "answers=4", "--json"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    done = run_cli(["eval", str(run.lora.run_dir), "what=answers", "answers=4", "--json"], timeout=600, cwd=str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1])["answers"]["answers"] == 4
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from cli_support import run_cli
 from finetuned_support import convert, hf_answers, merged_export, readme_lora
 
 pytestmark = pytest.mark.slow
@@ -87,9 +86,8 @@ def test_transformers_on_the_merged_export_answers_as_generate_does(exports):
     from transformers import AutoTokenizer
 
     run, out = exports
-    command = [sys.executable, "-m", "megatron_recipes.cli", "generate", str(run.lora.run_dir), *QUESTIONS,
-               "max_new_tokens=32", "--json"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=str(run.root))
+    done = run_cli(["generate", str(run.lora.run_dir), *QUESTIONS, "max_new_tokens=32", "--json"], timeout=600,
+                   cwd=str(run.root))
     assert done.returncode == 0, done.stderr[-3000:]
     ours = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     theirs = hf_answers(out / "merged", QUESTIONS)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, List
 
 import pytest
 
+from cli_support import run_cli
 from convert_support import make_hf_model
 from data_support import small_builtin, write_jsonl
 
@@ -51,9 +50,8 @@ def _models(shared_runs, data_cache, family: str) -> Dict[str, Path]:
 
 
 def generate_cli(ckpt: Path, *args: str, timeout: float = 900) -> List[dict]:
-    """The command as a user runs it; its --json records."""
-    command = [sys.executable, "-m", "megatron_recipes.cli", "generate", str(ckpt), *args, "--json"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    """The command as a user runs it (its own process, forked: tests/cli_support.py); its --json records."""
+    done = run_cli(["generate", str(ckpt), *args, "--json"], timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
@@ -159,8 +157,7 @@ def test_command_line_keeps_prompts_with_equals_signs_and_refuses_unknown_flags(
 
 
 def test_cli_errors_are_one_message_without_traceback(tmp_path):
-    command = [sys.executable, "-m", "megatron_recipes.cli", "generate", str(tmp_path / "missing"), "hello"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = run_cli(["generate", str(tmp_path / "missing"), "hello"], timeout=300)
     assert done.returncode == 2
     assert "does not exist" in done.stderr and "Traceback" not in done.stderr
 

@@ -115,3 +115,41 @@ def test_a_rank_finds_the_recipe_its_launcher_composed_and_composes_a_changed_on
     assert compose_recipe(str(recipe)).train.train_iters == 5
     recipe.write_text("defaults: [tiny_llama_cpu, _self_]\ntrain:\n  train_iters: 6\n")  # edited after the launcher read it
     assert _rank_composes(tmp_path, str(recipe)) == {"composed_anew": True, "train_iters": 6}
+
+
+NESTED = textwrap.dedent("""
+    import json, os, sys
+    from multiprocessing import forkserver
+    from megatron_recipes.runtime import ranks
+
+    def main():
+        if sys.argv[1] == "inner":
+            print(json.dumps({"inner_parent": os.getppid()}), flush=True)
+            return
+        env = {k: v for k, v in os.environ.items() if k not in ranks.LAUNCHER_VARS}
+        code = ranks.start((__file__,), ["inner"], env, None, 1).wait(timeout=120)
+        own = forkserver._forkserver._forkserver_pid
+        print(json.dumps({"outer_parent": os.getppid(), "code": code, "own_server": own}), flush=True)
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def test_a_command_forked_from_the_server_forks_its_ranks_there_and_they_write_to_its_output(tmp_path):
+    """A command run as one of the server's ranks (tests/cli_support.py runs the CLI so) starts its own ranks
+    through the same server, not a second one (a fresh interpreter importing torch and megatron-core again), and
+    a rank without a log writes to its launcher's output as it is now. Before: the stdlib started a second
+    server, and such a rank wrote where the first server's starter wrote when it started."""
+    script = tmp_path / "nested.py"
+    script.write_text(NESTED)
+    with open(tmp_path / "out", "w+b") as out, open(tmp_path / "err", "w+b") as err:
+        env = {k: v for k, v in os.environ.items() if k not in ranks.LAUNCHER_VARS}
+        code = ranks.start((str(script),), ["outer"], env, None, 1, output=(out.fileno(), err.fileno())).wait(timeout=180)
+    written = (tmp_path / "out").read_text()
+    assert code == 0, written + (tmp_path / "err").read_text()
+    records = {}
+    for line in written.splitlines():
+        records.update(json.loads(line))
+    assert records.get("code") == 0 and records["own_server"] is None, written
+    assert records.get("inner_parent") == records["outer_parent"], written  # forked by the outer command's server

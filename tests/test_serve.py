@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_support import run_cli
 from finetuned_support import readme_lora
 
 pytestmark = pytest.mark.slow
@@ -63,9 +64,8 @@ def test_concurrent_requests_get_generates_tokens(server):
                                                                            "messages": [{"role": "user", "content": q}]}), QUESTIONS))
     assert all(status == 200 for status, _ in replies), replies
     served = [json.loads(body)["choices"][0] for _, body in replies]
-    command = [sys.executable, "-m", "megatron_recipes.cli", "generate", str(run.lora.run_dir), *QUESTIONS,
-               "max_new_tokens=16", "--json"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=str(run.root))
+    done = run_cli(["generate", str(run.lora.run_dir), *QUESTIONS, "max_new_tokens=16", "--json"], timeout=600,
+                   cwd=str(run.root))
     assert done.returncode == 0, done.stderr[-3000:]
     generated = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [c["token_ids"] for c in served] == [g["tokens"] for g in generated]

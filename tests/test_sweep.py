@@ -5,8 +5,6 @@ them one after another."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -90,10 +88,12 @@ def test_a_local_sweep_trains_each_combination_in_its_own_run_dir(tmp_path, data
     from train_support import FAST, SMALL_DATA, _env
 
     base = tmp_path / "sweep"
-    command = [sys.executable, "-m", "megatron_recipes.cli", "train", "tiny_llama_cpu", "-m", "optimizer.lr=1e-3,2e-3",
-               "parallel=none", "cluster.gpus_per_node=1", "train.train_iters=2", f"run.dir={base}",
-               f"data.cache_dir={data_cache}", *SMALL_DATA, *FAST, "logging.plot=false", "logging.tensorboard=false"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=_env())  # no rendezvous of this process
+    from cli_support import run_cli
+
+    command = ["train", "tiny_llama_cpu", "-m", "optimizer.lr=1e-3,2e-3", "parallel=none", "cluster.gpus_per_node=1",
+               "train.train_iters=2", f"run.dir={base}", f"data.cache_dir={data_cache}", *SMALL_DATA, *FAST,
+               "logging.plot=false", "logging.tensorboard=false"]
+    done = run_cli(command, timeout=600, env=_env())  # no rendezvous of this process
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "=== sweep run 2/2: optimizer.lr=2e-3" in done.stdout
     for lr in ("1e-3", "2e-3"):

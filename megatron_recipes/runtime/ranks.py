@@ -51,8 +51,23 @@ def context(tokenizers: bool = False, compiles: bool = False):
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD + (TOKENIZER_PRELOAD if tokenizers else []) + (COMPILE_PRELOAD if compiles else []))
-    forkserver.ensure_running()
+    _ask_the_server_that_forked_this_process(forkserver._forkserver)
+    forkserver._forkserver.ensure_running()  # the instance's: the module's name is bound to the class's method
     return ctx
+
+
+def _ask_the_server_that_forked_this_process(server) -> None:
+    """A process the server forked (a command run as one of its ranks) has its ranks forked by that same server.
+
+    Such a process knows the server's address and holds a client's end of its alive pipe (Python's forkserver
+    hands both to every child), but it is not the server's parent, so the stdlib would start a second server:
+    a fresh interpreter importing torch and megatron-core again (~4 s of CPU). Its ranks are forked from the
+    same preloaded state either way; their output and folder are the caller's (``start``)."""
+    from multiprocessing import resource_tracker
+
+    forked = server._forkserver_pid is None and server._forkserver_address is not None
+    if forked and server._forkserver_alive_fd is not None and "ensure_running" not in vars(server):
+        server.ensure_running = resource_tracker.ensure_running  # the server runs: only the tracker to check
 
 
 def stop() -> None:
@@ -84,11 +99,38 @@ def fresh_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
+class _CallerOutput:
+    """The caller's stdout and stderr as file descriptors, handed to a forked rank through the server as
+    Python hands a pipe (``multiprocessing.reduction.DupFd``): a rank without a log writes where its launcher
+    writes now, not where the server's starter wrote when the server started (another command, in a process
+    the server forked; a test whose output was captured then)."""
+
+    def __init__(self, fds: Sequence[int]):
+        self.fds = tuple(fds)
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _caller_output, (tuple(reduction.DupFd(fd) for fd in self.fds),)
+
+
+def _caller_output(dups) -> _CallerOutput:
+    return _CallerOutput([dup.detach() for dup in dups])
+
+
+def _open_fds(fds: Sequence[int]) -> bool:
+    try:
+        for fd in fds:
+            os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def _rank(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: Optional[str],
-          cwd: Optional[str] = None, composed: Sequence = ()) -> None:
-    """One rank, in the forked child: the run's environment, folder and log (None: the output the server
-    inherited from the command that started it), the launcher's compositions (``composed``), then
-    ``python <entry> <argv>``."""
+          cwd: Optional[str] = None, composed: Sequence = (), output: Optional[_CallerOutput] = None) -> None:
+    """One rank, in the forked child: the run's environment, folder and output (``log``, else the caller's
+    ``output``), the launcher's compositions (``composed``), then ``python <entry> <argv>``."""
     os.setpgid(0, 0)  # its own group: stopping the run stops whatever this rank starts (checkpoint writers)
     fresh_signals()
     if cwd is not None:
@@ -100,6 +142,10 @@ def _rank(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: O
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    elif output is not None:
+        for target, fd in zip((1, 2), output.fds):
+            os.dup2(fd, target)
+            os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
     random.seed()  # a fresh interpreter seeds these from OS entropy; forked ones would share the server's
@@ -216,18 +262,21 @@ def rank_environments(env: Dict[str, str], ranks: int):
 
 
 def start(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: Optional[str], ranks: int,
-          cwd: Optional[str] = None, tokenizers: bool = False, compiles: bool = False) -> Run:
-    """The ranks of one run, forked from the server (``log``: their output's file, None for the caller's own;
-    ``cwd``: the folder they run in, default the server's; ``tokenizers``, ``compiles``: as for ``context``).
-    The recipes this process composed go with them: a launcher that composed and validated the run's recipe
-    spares each rank composing it again (~85 ms of CPU each)."""
+          cwd: Optional[str] = None, tokenizers: bool = False, compiles: bool = False,
+          output: Sequence[int] = (1, 2)) -> Run:
+    """The ranks of one run, forked from the server (``log``: their output's file, None for the caller's own,
+    ``output``: its stdout and stderr descriptors; ``cwd``: the folder they run in, default the server's;
+    ``tokenizers``, ``compiles``: as for ``context``). The recipes this process composed go with them: a
+    launcher that composed and validated the run's recipe spares each rank composing it again (~85 ms of CPU
+    each)."""
     ctx = context(tokenizers, compiles)
     envs, store = rank_environments(env, ranks)
     compose = sys.modules.get("megatron_recipes.config.compose")
     composed = compose.compositions() if compose is not None else []
+    caller = _CallerOutput(output) if log is None and _open_fds(output) else None
     procs = []
     for rank, rank_env in enumerate(envs):
-        proc = ctx.Process(target=_rank, args=(tuple(entry), tuple(argv), rank_env, log, cwd, composed),
+        proc = ctx.Process(target=_rank, args=(tuple(entry), tuple(argv), rank_env, log, cwd, composed, caller),
                            name=f"rank{rank}")
         proc.start()
         procs.append(proc)
