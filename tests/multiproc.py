@@ -24,6 +24,7 @@ stack of each of its threads at that moment (``faulthandler``), so a rare crash 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import io
 import os
 import queue
@@ -69,6 +70,7 @@ def _rank_entry(
         global _FAULT_FILE
         _FAULT_FILE = open(fault_path, "w")  # noqa: SIM115 (open until the process ends)
         faulthandler.enable(file=_FAULT_FILE, all_threads=True)
+    gc.freeze()  # as runtime/ranks' ranks: what the server preloaded stays out of this rank's garbage collections
     os.environ.clear()  # the forkserver's environment is the one of its start: take the caller's, now
     os.environ.update(caller_env)
     os.environ.update(rendezvous, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))

@@ -16,6 +16,7 @@ table, the trainer, checkpoints over gloo.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import random
 import runpy
@@ -132,6 +133,7 @@ def _rank(entry: Sequence[str], argv: Sequence[str], env: Dict[str, str], log: O
     """One rank, in the forked child: the run's environment, folder and output (``log``, else the caller's
     ``output``), the launcher's compositions (``composed``), then ``python <entry> <argv>``."""
     os.setpgid(0, 0)  # its own group: stopping the run stops whatever this rank starts (checkpoint writers)
+    gc.freeze()  # what the server preloaded after rank_preload's own freeze (tokenizers, Inductor): out of collections
     fresh_signals()
     if cwd is not None:
         os.chdir(cwd)
