@@ -26,14 +26,20 @@ def run_cli(args: Sequence[str], *, cwd: Optional[str] = None, env: Optional[Dic
             timeout: float = 600.0) -> subprocess.CompletedProcess:
     """The command's exit code, stdout and stderr, as ``subprocess.run(..., capture_output=True, text=True)``
     gives them (``env``: the whole environment, default this process's; ``cwd``: default this one's)."""
+    return run_module("megatron_recipes.cli", args, cwd=cwd, env=env, timeout=timeout)
+
+
+def run_module(module: str, args: Sequence[str], *, cwd: Optional[str] = None, env: Optional[Dict[str, str]] = None,
+               timeout: float = 600.0) -> subprocess.CompletedProcess:
+    """``python -m <module> <args>`` so (``python -m megatron_recipes.train`` is the trainer's own launcher)."""
     from megatron_recipes.runtime import ranks
 
     full_env = dict(os.environ if env is None else env)
     for name in LAUNCHER_VARS:  # a command started by hand has none: rank_environments drops them too
         full_env.pop(name, None)
-    command = [sys.executable, "-m", "megatron_recipes.cli", *args]
+    command = [sys.executable, "-m", module, *args]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        job = ranks.start(("-m", "megatron_recipes.cli"), list(args), full_env, None, 1, cwd=str(cwd or os.getcwd()),
+        job = ranks.start(("-m", module), list(args), full_env, None, 1, cwd=str(cwd or os.getcwd()),
                           tokenizers=True, compiles=True, output=(out.fileno(), err.fileno()))
         try:
             code = job.wait(timeout)

@@ -102,21 +102,17 @@ def train(
     """The trainer's ranks (``python -m megatron_recipes.train <recipe> ...`` each, under a launcher's
     environment when ``nproc`` > 1) forked from the session's preloaded server; never raises on failure.
 
-    ``self_spawn`` runs ``python -m megatron_recipes.train`` as a user does instead, a fresh interpreter that
-    validates once and starts its own torchrun ranks (the local launcher's own tests use it).
+    ``self_spawn`` runs ``python -m megatron_recipes.train`` as a user does instead: the launcher process that
+    validates once and starts its own ranks (the local launcher's own tests use it), forked from the same server
+    (tests/cli_support.py).
     """
+    from cli_support import run_module
+
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     cmd = command(run_dir, cache_dir, overrides, nproc, recipe)
     if not self_spawn:
         return _forked(run_dir, cmd, nproc, timeout, env)
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=_env(env),
-        cwd=str(run_dir.parent),
-    )
+    proc = run_module(cmd[2], cmd[3:], timeout=timeout, env=_env(env), cwd=str(run_dir.parent))
     return Run(proc.returncode, proc.stdout + proc.stderr, Path(run_dir))
 
 
