@@ -18,10 +18,6 @@ import sys
 import tempfile
 from typing import Dict, Optional, Sequence
 
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
-                 "MASTER_PORT")
-
-
 def run_cli(args: Sequence[str], *, cwd: Optional[str] = None, env: Optional[Dict[str, str]] = None,
             timeout: float = 600.0) -> subprocess.CompletedProcess:
     """The command's exit code, stdout and stderr, as ``subprocess.run(..., capture_output=True, text=True)``
@@ -34,9 +30,7 @@ def run_module(module: str, args: Sequence[str], *, cwd: Optional[str] = None, e
     """``python -m <module> <args>`` so (``python -m megatron_recipes.train`` is the trainer's own launcher)."""
     from megatron_recipes.runtime import ranks
 
-    full_env = dict(os.environ if env is None else env)
-    for name in LAUNCHER_VARS:  # a command started by hand has none: rank_environments drops them too
-        full_env.pop(name, None)
+    full_env = dict(os.environ if env is None else env)  # less a launcher's variables: one rank gets none
     command = [sys.executable, "-m", module, *args]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         job = ranks.start(("-m", module), list(args), full_env, None, 1, cwd=str(cwd or os.getcwd()),
